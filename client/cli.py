@@ -1,0 +1,299 @@
+"""``whisperwire``: stream a file, standard input or the microphone to a server, or transcribe
+a file in-process.
+
+    whisperwire stream FILE|- [--url URL] [--pace 1.0] [--format live|text|jsonl|srt|vtt]
+                              [--token KEY] [--language en] [--task transcribe] [--stats]
+                              [--sample-rate 16000 --encoding pcm_s16le]   (stdin only)
+    whisperwire listen [--url URL] [--format ...] [--token KEY] [--language ...] [--stats]
+    whisperwire transcribe FILE [--model tiny.en] [--language en] [--task transcribe]
+
+Exit status: 0 done; 1 no connection or the stream failed; 2 bad usage, an unreadable source
+or no microphone; 130 interrupted. The first Ctrl-C while streaming ends the audio early and
+still waits for the last finals; a second one aborts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from client.render import FORMATS, Renderer, format_stats, make_renderer
+from client.sources import (
+    DEFAULT_CHUNK_MS,
+    AudioSource,
+    FileSource,
+    MicrophoneSource,
+    SourceError,
+    StdinSource,
+)
+from client.stream import DEFAULT_URL, ClientError, StreamResult, stream_audio
+from server.config import ENCODINGS, SAMPLE_RATE_HZ, TASKS
+from server.errors import ModelError, WhisperwireError
+
+logger = logging.getLogger("client.cli")
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # no connection, or the stream or engine failed
+EXIT_USAGE = 2  # bad arguments, unreadable audio, no microphone (argparse uses 2 as well)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``whisperwire`` command line; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s: %(message)s"
+        if args.verbose
+        else "whisperwire: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        status: int = args.run(args)
+    except KeyboardInterrupt:
+        _fail("interrupted")
+        return EXIT_INTERRUPTED
+    return status
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser, with one subcommand per way of getting audio."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
+
+    net = argparse.ArgumentParser(add_help=False)
+    net.add_argument(
+        "--url",
+        default=os.environ.get("WHISPERWIRE_URL", DEFAULT_URL),
+        help="server stream endpoint (default: $WHISPERWIRE_URL or %(default)s)",
+    )
+    net.add_argument(
+        "--token",
+        default=os.environ.get("WHISPERWIRE_TOKEN"),
+        help="API key, sent as 'Authorization: Bearer' (default: $WHISPERWIRE_TOKEN)",
+    )
+    net.add_argument(
+        "--language",
+        help="language code such as 'en', or 'auto' to detect (default: the server's)",
+    )
+    net.add_argument("--task", choices=TASKS, help="default: the server's")
+    net.add_argument(
+        "--format",
+        choices=FORMATS,
+        help="output: live captions (default on a terminal), text (default otherwise), "
+        "jsonl (every server message), srt or vtt (subtitles from the finals)",
+    )
+    net.add_argument(
+        "--stats",
+        action="store_true",
+        help="at the end, print time to first token, final latency and real-time factor to stderr",
+    )
+    net.add_argument(
+        "--chunk-ms", type=_positive_int, default=DEFAULT_CHUNK_MS, help="default: %(default)s"
+    )
+
+    parser = argparse.ArgumentParser(
+        prog="whisperwire",
+        description="Live captions from a Whisperwire server, or in-process transcription.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    stream = commands.add_parser(
+        "stream",
+        parents=[common, net],
+        help="stream an audio file, or raw PCM from stdin ('-')",
+        description="Stream an audio file (wav; flac, mp3, ogg with ffmpeg) or raw PCM on "
+        "standard input ('-') to the server.",
+    )
+    stream.add_argument("file", metavar="FILE|-", help="audio file, or - for raw PCM on stdin")
+    stream.add_argument(
+        "--pace",
+        type=_non_negative_float,
+        default=1.0,
+        help="seconds of wall time per second of audio: 1 is real time, 0 as fast as the "
+        "server takes it (default: %(default)s)",
+    )
+    stream.add_argument(
+        "--sample-rate",
+        type=int,
+        help=f"stdin only: the PCM's rate in Hz (default: {SAMPLE_RATE_HZ})",
+    )
+    stream.add_argument(
+        "--encoding", choices=ENCODINGS, help="stdin only: the PCM's encoding (default: pcm_s16le)"
+    )
+    stream.set_defaults(run=_run_stream_command)
+
+    listen = commands.add_parser(
+        "listen",
+        parents=[common, net],
+        help="stream the microphone (needs: pip install 'whisperwire[mic]')",
+        description="Live captions from the default microphone. Ctrl-C stops.",
+    )
+    listen.add_argument(
+        "--sample-rate",
+        type=int,
+        default=SAMPLE_RATE_HZ,
+        help="capture rate in Hz (default: %(default)s)",
+    )
+    listen.set_defaults(run=_run_listen_command)
+
+    transcribe = commands.add_parser(
+        "transcribe",
+        parents=[common],
+        help="transcribe a file in-process, without a server",
+        description="Transcribe an audio file with the engine in this process.",
+    )
+    transcribe.add_argument("file", metavar="FILE")
+    transcribe.add_argument("--model", default="tiny.en", help="default: %(default)s")
+    transcribe.add_argument(
+        "--language", default="en", help="language code, or 'auto' to detect (default: en)"
+    )
+    transcribe.add_argument("--task", choices=TASKS, default="transcribe")
+    transcribe.set_defaults(run=_run_transcribe_command)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0; got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0; got {text}")
+    return value
+
+
+def _fail(message: str) -> None:
+    sys.stderr.write(f"whisperwire: {message}\n")
+    sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------- stream / listen
+
+
+def _run_stream_command(args: argparse.Namespace) -> int:
+    try:
+        source: AudioSource
+        if args.file == "-":
+            if sys.stdin.isatty():
+                _fail("error: '-' reads raw PCM from stdin; pipe audio in (e.g. from arecord)")
+                return EXIT_USAGE
+            source = StdinSource(
+                args.sample_rate if args.sample_rate is not None else SAMPLE_RATE_HZ,
+                args.encoding if args.encoding is not None else "pcm_s16le",
+                args.chunk_ms,
+            )
+        else:
+            if args.sample_rate is not None or args.encoding is not None:
+                _fail("error: --sample-rate and --encoding describe raw PCM on stdin ('-') only")
+                return EXIT_USAGE
+            source = FileSource(args.file, args.chunk_ms)
+    except (SourceError, ValueError) as exc:
+        _fail(f"error: {exc}")
+        return EXIT_USAGE
+    return _stream(args, source, pace=args.pace)
+
+
+def _run_listen_command(args: argparse.Namespace) -> int:
+    try:
+        source = MicrophoneSource(args.sample_rate, args.chunk_ms)
+    except (SourceError, ValueError) as exc:
+        _fail(f"error: {exc}")
+        return EXIT_USAGE
+    sys.stderr.write(f"whisperwire: listening on {source.device_name}; Ctrl-C stops\n")
+    return _stream(args, source, pace=0.0)
+
+
+def _stream(args: argparse.Namespace, source: AudioSource, *, pace: float) -> int:
+    renderer = make_renderer(args.format, sys.stdout)
+    try:
+        try:
+            result = asyncio.run(_stream_async(args, source, renderer, pace=pace))
+        finally:
+            renderer.close()
+    except SourceError as exc:  # e.g. the microphone failed to open once streaming started
+        _fail(f"error: {exc}")
+        return EXIT_USAGE
+    except ClientError as exc:
+        _fail(f"error: {exc}")
+        return EXIT_FAILED
+    except BrokenPipeError:
+        # The reader went away (`| head`). Point stdout at devnull so the interpreter's final
+        # flush does not raise again, as the Python docs on SIGPIPE advise.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILED
+    if args.stats:
+        sys.stderr.write(format_stats(result.stats))
+        sys.stderr.flush()
+    return EXIT_OK
+
+
+async def _stream_async(
+    args: argparse.Namespace, source: AudioSource, renderer: Renderer, *, pace: float
+) -> StreamResult:
+    loop = asyncio.get_running_loop()
+
+    def stop_audio() -> None:
+        # First Ctrl-C: end the audio and let the server send its last finals and done.
+        # The next one gets Python's default handling (KeyboardInterrupt).
+        logger.warning("stopping: waiting for the last finals (Ctrl-C again to abort)")
+        source.stop()
+        loop.remove_signal_handler(signal.SIGINT)
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, stop_audio)
+    except (NotImplementedError, RuntimeError):  # Windows event loops, or not the main thread
+        logger.debug("no SIGINT handler: Ctrl-C aborts at once")
+    try:
+        return await stream_audio(
+            args.url,
+            source,
+            pace=pace,
+            token=args.token,
+            language=args.language,
+            task=args.task,
+            on_message=renderer.on_message,
+        )
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+# --------------------------------------------------------------------------- transcribe
+
+
+def _run_transcribe_command(args: argparse.Namespace) -> int:
+    # Imported here: the engine pulls in MLX, which streaming from a server does not need.
+    try:
+        from server.engine.offline import transcribe_file
+    except ImportError as exc:
+        _fail(f"error: the in-process engine is not available: {exc}")
+        return EXIT_FAILED
+    language = None if args.language == "auto" else args.language
+    try:
+        text = transcribe_file(args.file, model=args.model, language=language, task=args.task)
+    except (FileNotFoundError, ValueError, ModelError) as exc:
+        _fail(f"error: {exc}")
+        return EXIT_USAGE
+    except (OSError, WhisperwireError) as exc:
+        _fail(f"error: {exc}")
+        return EXIT_FAILED
+    sys.stdout.write(text.strip() + "\n")
+    sys.stdout.flush()
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Make MLX's CPU matmuls fast, and check that they are.
+
+The ``mlx-cpu`` wheel links a reference BLAS (about 4 GFLOP/s on our 2-core machines).
+Loading OpenBLAS into the process with RTLD_GLOBAL *before* ``mlx.core`` is imported routes
+MLX's ``cblas_sgemm`` calls to it (about 20x faster). ``import_mlx()`` is the one place that
+imports ``mlx.core`` for the engine, so the order is guaranteed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger("server.engine.blas")
+
+OPENBLAS_ENV = "WHISPERWIRE_OPENBLAS"  # a path to libopenblas.so, or "off"
+SLOW_GFLOPS = 20.0  # below this the reference BLAS is almost certainly in use
+
+
+@dataclass(frozen=True)
+class BlasStatus:
+    library: str | None  # path of the preloaded OpenBLAS, None if none was loaded
+    gflops: float | None  # measured float32 matmul throughput, None if not probed
+    device: str
+
+
+_state: dict[str, str | None] = {}  # process-wide by nature: a shared library loads once
+
+
+def find_openblas() -> Path | None:
+    """Locate ``libopenblas.so`` from cmeel-openblas (or ``$WHISPERWIRE_OPENBLAS``)."""
+    override = os.environ.get(OPENBLAS_ENV)
+    if override:
+        return None if override.lower() == "off" else Path(override)
+    for entry in sys.path:
+        for name in ("libopenblas.so", "libopenblas.so.0"):
+            candidate = Path(entry) / "cmeel.prefix" / "lib" / name
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def preload_openblas() -> str | None:
+    """Load OpenBLAS globally, once, if we are on Linux and mlx.core is not imported yet."""
+    if "loaded" in _state:
+        return _state["loaded"]
+    path: str | None = None
+    if sys.platform.startswith("linux"):
+        if "mlx.core" in sys.modules:
+            logger.warning("mlx.core was imported before OpenBLAS could be preloaded")
+        else:
+            lib = find_openblas()
+            if lib is not None:
+                try:
+                    ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+                    path = str(lib)
+                except OSError as exc:
+                    logger.warning("could not load %s: %s", lib, exc)
+    _state["loaded"] = path
+    return path
+
+
+def import_mlx() -> ModuleType:
+    """Import ``mlx.core`` after the OpenBLAS preload; use this instead of a bare import."""
+    preload_openblas()
+    import mlx.core as mx
+
+    return mx
+
+
+def measure_gflops(size: int = 512, repeats: int = 5) -> float:
+    """Float32 matmul throughput of MLX's default device, in GFLOP/s (best of ``repeats``)."""
+    mx = import_mlx()
+    a = mx.random.normal((size, size), dtype=mx.float32)
+    b = mx.random.normal((size, size), dtype=mx.float32)
+    mx.eval(a @ b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(a @ b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def check_blas() -> BlasStatus:
+    """Preload, probe and log; warn loudly when CPU matmuls are slow."""
+    lib = preload_openblas()
+    mx = import_mlx()
+    device = str(mx.default_device())
+    on_gpu = bool(mx.metal.is_available() or mx.cuda.is_available())
+    if on_gpu:
+        logger.info("MLX device %s; BLAS preload not needed", device)
+        return BlasStatus(lib, None, device)
+    gflops = measure_gflops()
+    if gflops < SLOW_GFLOPS:
+        logger.warning(
+            "SLOW CPU MATMULS: %.1f GFLOP/s (OpenBLAS %s). Install cmeel-openblas or set %s to a "
+            "libopenblas.so; expect ~20x slower decoding",
+            gflops,
+            lib or "not loaded",
+            OPENBLAS_ENV,
+        )
+    else:
+        logger.info("MLX on %s, float32 matmul %.0f GFLOP/s (OpenBLAS %s)", device, gflops, lib)
+    return BlasStatus(lib, gflops, device)

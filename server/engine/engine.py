@@ -1,0 +1,169 @@
+"""The engine facade the pipeline and the offline CLI use: features, encode, decode.
+
+``Engine.decode_windows`` takes windows from any number of streams, encodes those with the
+same audio context together, and decodes all of them in one lockstep batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import numpy.typing as npt
+
+from ..config import SAMPLE_RATE_HZ
+from ..errors import DecodeError
+from ..features import (
+    FRAMES_PER_SECOND,
+    N_FRAMES,
+    N_SAMPLES,
+    log_mel_spectrogram,
+)
+from .decoder import DecodeRequest, DecodeResult, StreamingDecoder, Vocabulary
+from .lightning import module as lightning_module
+from .options import DecodeOptions
+from .store import DEFAULT_MODEL, LoadedModel, load_model
+
+logger = logging.getLogger("server.engine")
+
+Float32Array = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL  # registry name or folder
+    dtype: str | None = None  # None: float16 on a GPU, float32 on CPU
+    quantize_bits: int | None = None  # 4 or 8: MLX affine quantization of linear layers
+    quantize_group_size: int = 64
+    min_context_s: float = 10.0  # shorter audio contexts make tiny.en loop or change words
+    context_margin_s: float = 1.0  # padding encoded after the real audio
+    context_step_s: float = 1.0  # contexts are rounded up to this, so windows batch together
+
+    def __post_init__(self) -> None:
+        if self.quantize_bits not in (None, 4, 8):
+            raise ValueError(f"quantize_bits must be 4, 8 or None; got {self.quantize_bits}")
+        if not 0 < self.min_context_s <= 30:
+            raise ValueError("min_context_s must be in (0, 30]")
+        if self.context_margin_s < 0 or self.context_step_s <= 0:
+            raise ValueError("context_margin_s must be >= 0 and context_step_s > 0")
+
+
+@dataclass(frozen=True)
+class Window:
+    """One stream's audio window, ready for the decode worker."""
+
+    mel: Float32Array  # (context frames, n_mels), from Engine.features
+    audio_s: float  # real audio in the window
+    options: DecodeOptions = field(default_factory=DecodeOptions)
+    prompt: tuple[int, ...] = ()
+    prefix: tuple[int, ...] = ()
+
+
+class Engine:
+    """One loaded model, its tokenizer and its streaming decoder. Not thread-safe: one
+    decode worker thread owns it."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.dims = loaded.dims
+        model = loaded.model
+        if config.quantize_bits is not None:
+            nn.quantize(model, group_size=config.quantize_group_size, bits=config.quantize_bits)
+            mx.eval(model.parameters())
+        else:
+            model.decoder.prepare_projection()
+        tokenizer_mod = lightning_module("tokenizer")
+        tok = tokenizer_mod.get_tokenizer(
+            self.dims.is_multilingual, num_languages=self.dims.num_languages
+        )
+        self.vocab = Vocabulary.from_tokenizer(tok, self.dims.is_multilingual)
+        self.decoder = StreamingDecoder(model, self.vocab)
+        self.decoder.set_alignment_heads(loaded.alignment_heads)
+
+    @classmethod
+    def load(cls, config: EngineConfig | None = None) -> Engine:
+        config = config or EngineConfig()
+        loaded = load_model(config.model, dtype=config.dtype)
+        logger.info(
+            "loaded %s (%s) from %s in %.2f s",
+            loaded.name,
+            loaded.dtype,
+            loaded.source,
+            loaded.load_s,
+        )
+        return cls(loaded, config)
+
+    @property
+    def name(self) -> str:
+        return self.loaded.name
+
+    # -- text ---------------------------------------------------------------------------
+    def encode_text(self, text: str) -> tuple[int, ...]:
+        return tuple(int(t) for t in self.vocab.tokenizer.encode(text))
+
+    def decode_text(self, tokens: tuple[int, ...] | list[int]) -> str:
+        return self.vocab.text(tokens)
+
+    # -- audio --------------------------------------------------------------------------
+    def context_frames(self, audio_s: float) -> int:
+        """Mel frames to encode for ``audio_s`` of audio: the dynamic context policy."""
+        c = self.config
+        seconds = max(c.min_context_s, audio_s + c.context_margin_s)
+        seconds = math.ceil(seconds / c.context_step_s - 1e-9) * c.context_step_s
+        frames = round(min(seconds, 30.0) * FRAMES_PER_SECOND)
+        return min(N_FRAMES, frames + frames % 2)
+
+    def features(self, audio: Float32Array, frames: int | None = None) -> Float32Array:
+        """Log-mel of ``audio`` padded with silence to ``frames`` (default: the policy)."""
+        n = int(audio.shape[0])
+        if n > N_SAMPLES:
+            raise ValueError(f"a window holds at most 30 s; got {n / SAMPLE_RATE_HZ:.2f} s")
+        frames = frames or self.context_frames(n / SAMPLE_RATE_HZ)
+        # One extra hop of zeros so the last frame sees the same padding as Whisper's 30 s pad.
+        target = frames * (N_SAMPLES // N_FRAMES) + N_SAMPLES // N_FRAMES
+        mel = log_mel_spectrogram(audio, self.dims.n_mels, padding=max(0, target - n))
+        return mel[:frames]
+
+    def encode(self, mels: list[Float32Array]) -> list[mx.array]:
+        """Encoder output per mel; equal lengths are batched together."""
+        out: list[mx.array | None] = [None] * len(mels)
+        groups: dict[int, list[int]] = {}
+        for i, m in enumerate(mels):
+            groups.setdefault(int(m.shape[0]), []).append(i)
+        dtype = self.decoder._dtype
+        for _, idx in sorted(groups.items()):
+            batch = mx.array(np.stack([mels[i] for i in idx])).astype(dtype)
+            feats = self.loaded.model.encoder(batch)
+            mx.eval(feats)
+            for j, i in enumerate(idx):
+                out[i] = feats[j]
+        return [o for o in out if o is not None]
+
+    def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
+        """Encode and greedily decode windows from any number of streams in one batch."""
+        if not windows:
+            return []
+        try:
+            feats = self.encode([w.mel for w in windows])
+            requests = [
+                DecodeRequest(f, w.audio_s, w.options, w.prompt, w.prefix)
+                for f, w in zip(feats, windows, strict=True)
+            ]
+            return self.decoder.decode(requests)
+        except (RuntimeError, ValueError, IndexError) as exc:
+            raise DecodeError(f"decode of {len(windows)} window(s) failed: {exc}") from exc
+
+    def warmup(self) -> float:
+        """Run each code path once so the first client pays no first-call costs."""
+        started = time.perf_counter()
+        rng = np.random.default_rng(0)
+        noise = (rng.standard_normal(SAMPLE_RATE_HZ * 2) * 0.01).astype(np.float32)
+        mel = self.features(noise)
+        self.decode_windows([Window(mel, 2.0), Window(mel, 2.0, prefix=self.encode_text(" Hello"))])
+        return time.perf_counter() - started

@@ -1,0 +1,225 @@
+"""The Whisper network in MLX: dimensions and modules, no decoding logic.
+
+Parameter names follow mlx-examples / lightning-whisper-mlx, so their weight files load as
+they are. Two things differ from those models because a streaming server needs them:
+the encoder takes any number of mel frames up to 30 s (the positional table is sliced, not
+asserted), and the decoder writes into a preallocated self-attention cache and reuses
+cross-attention keys and values that were projected once per encoder output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ModelDimensions:
+    n_mels: int
+    n_audio_ctx: int
+    n_audio_state: int
+    n_audio_head: int
+    n_audio_layer: int
+    n_vocab: int
+    n_text_ctx: int
+    n_text_state: int
+    n_text_head: int
+    n_text_layer: int
+
+    @property
+    def is_multilingual(self) -> bool:
+        return self.n_vocab >= 51865
+
+    @property
+    def num_languages(self) -> int:
+        return self.n_vocab - 51765 - int(self.is_multilingual)
+
+
+def sinusoids(length: int, channels: int, max_timescale: float = 10_000.0) -> mx.array:
+    """Whisper's fixed positional table for the encoder."""
+    log_timescale_increment = math.log(max_timescale) / (channels // 2 - 1)
+    inv_timescales = mx.exp(-log_timescale_increment * mx.arange(channels // 2))
+    scaled_time = mx.arange(length)[:, None] * inv_timescales[None, :]
+    return mx.concatenate([mx.sin(scaled_time), mx.cos(scaled_time)], axis=1)
+
+
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, n_head: int, mask: mx.array | None
+) -> mx.array:
+    """Scaled dot-product attention over (batch, time, state) inputs."""
+    b, t_q, d = q.shape
+    t_k = k.shape[1]
+    head = d // n_head
+    q = q.reshape(b, t_q, n_head, head).transpose(0, 2, 1, 3)
+    k = k.reshape(b, t_k, n_head, head).transpose(0, 2, 1, 3)
+    v = v.reshape(b, t_k, n_head, head).transpose(0, 2, 1, 3)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=head**-0.5, mask=mask)
+    return out.transpose(0, 2, 1, 3).reshape(b, t_q, d)
+
+
+def attention_weights(q: mx.array, k: mx.array, n_head: int, mask: mx.array | None) -> mx.array:
+    """Softmax attention weights (batch, head, t_q, t_k); used only for word alignment."""
+    b, t_q, d = q.shape
+    t_k = k.shape[1]
+    head = d // n_head
+    qh = q.reshape(b, t_q, n_head, head).transpose(0, 2, 1, 3)
+    kh = k.reshape(b, t_k, n_head, head).transpose(0, 2, 3, 1)
+    qk = (qh @ kh) * head**-0.5
+    if mask is not None:
+        qk = qk + mask
+    return mx.softmax(qk.astype(mx.float32), axis=-1)
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, n_state: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.query = nn.Linear(n_state, n_state)
+        self.key = nn.Linear(n_state, n_state, bias=False)
+        self.value = nn.Linear(n_state, n_state)
+        self.out = nn.Linear(n_state, n_state)
+
+
+class ResidualAttentionBlock(nn.Module):
+    def __init__(self, n_state: int, n_head: int, cross_attention: bool = False) -> None:
+        super().__init__()
+        self.attn = MultiHeadAttention(n_state, n_head)
+        self.attn_ln = nn.LayerNorm(n_state)
+        if cross_attention:
+            self.cross_attn = MultiHeadAttention(n_state, n_head)
+            self.cross_attn_ln = nn.LayerNorm(n_state)
+        n_mlp = n_state * 4
+        self.mlp1 = nn.Linear(n_state, n_mlp)
+        self.mlp2 = nn.Linear(n_mlp, n_state)
+        self.mlp_ln = nn.LayerNorm(n_state)
+
+    def mlp(self, x: mx.array) -> mx.array:
+        return self.mlp2(nn.gelu(self.mlp1(self.mlp_ln(x))))
+
+    def encode(self, x: mx.array) -> mx.array:
+        """Encoder block: full self-attention, no cache."""
+        h = self.attn_ln(x)
+        a = self.attn
+        x = x + a.out(attention(a.query(h), a.key(h), a.value(h), a.n_head, None))
+        return x + self.mlp(x)
+
+    def decode(
+        self,
+        x: mx.array,
+        cache_k: mx.array,
+        cache_v: mx.array,
+        offset: int,
+        self_mask: mx.array | None,
+        cross_k: mx.array,
+        cross_v: mx.array,
+        cross_mask: mx.array | None,
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Decoder block over new tokens written at ``offset`` of a preallocated cache.
+
+        Returns the block output and the updated cache arrays.
+        """
+        a = self.attn
+        h = self.attn_ln(x)
+        t = x.shape[1]
+        cache_k[:, offset : offset + t, :] = a.key(h)
+        cache_v[:, offset : offset + t, :] = a.value(h)
+        keys = cache_k[:, : offset + t, :]
+        values = cache_v[:, : offset + t, :]
+        x = x + a.out(attention(a.query(h), keys, values, a.n_head, self_mask))
+        c = self.cross_attn
+        x = x + c.out(
+            attention(c.query(self.cross_attn_ln(x)), cross_k, cross_v, c.n_head, cross_mask)
+        )
+        return x + self.mlp(x), cache_k, cache_v
+
+    def decode_full(
+        self,
+        x: mx.array,
+        mask: mx.array,
+        cross_k: mx.array,
+        cross_v: mx.array,
+        want_cross_weights: bool,
+    ) -> tuple[mx.array, mx.array | None]:
+        """Decoder block over a whole sequence without a cache (the word-alignment pass)."""
+        a = self.attn
+        h = self.attn_ln(x)
+        x = x + a.out(attention(a.query(h), a.key(h), a.value(h), a.n_head, mask))
+        c = self.cross_attn
+        q = c.query(self.cross_attn_ln(x))
+        weights = attention_weights(q, cross_k, c.n_head, None) if want_cross_weights else None
+        x = x + c.out(attention(q, cross_k, cross_v, c.n_head, None))
+        return x + self.mlp(x), weights
+
+
+class AudioEncoder(nn.Module):
+    def __init__(self, n_mels: int, n_ctx: int, n_state: int, n_head: int, n_layer: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(n_mels, n_state, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(n_state, n_state, kernel_size=3, stride=2, padding=1)
+        # Leading underscore: MLX does not treat it as a parameter, so it is neither saved
+        # nor loaded; it is recomputed exactly (see MODELS.md on CT2's fp16 copy).
+        self._positional_embedding = sinusoids(n_ctx, n_state)
+        self.blocks = [ResidualAttentionBlock(n_state, n_head) for _ in range(n_layer)]
+        self.ln_post = nn.LayerNorm(n_state)
+
+    def __call__(self, mel: mx.array) -> mx.array:
+        """(batch, frames, n_mels) -> (batch, ceil(frames / 2), n_state); frames <= 3000."""
+        x = nn.gelu(self.conv1(mel))
+        x = nn.gelu(self.conv2(x))
+        n_ctx = x.shape[1]
+        if n_ctx > self._positional_embedding.shape[0]:
+            raise ValueError(f"audio context {n_ctx} exceeds {self._positional_embedding.shape[0]}")
+        x = x + self._positional_embedding[:n_ctx].astype(x.dtype)
+        for block in self.blocks:
+            x = block.encode(x)
+        return self.ln_post(x)
+
+
+class TextDecoder(nn.Module):
+    def __init__(self, n_vocab: int, n_ctx: int, n_state: int, n_head: int, n_layer: int) -> None:
+        super().__init__()
+        self.token_embedding = nn.Embedding(n_vocab, n_state)
+        self.positional_embedding = mx.zeros((n_ctx, n_state))
+        self.blocks = [
+            ResidualAttentionBlock(n_state, n_head, cross_attention=True) for _ in range(n_layer)
+        ]
+        self.ln = nn.LayerNorm(n_state)
+        # A (state, vocab) copy of the tied embedding: a row-vector times a contiguous matrix
+        # streams memory in order, which halves the per-token cost of the output projection on
+        # CPU (it reads the whole 51864 x state matrix for every token).
+        self._projection: mx.array | None = None
+
+    def prepare_projection(self) -> None:
+        """Make the contiguous output projection (skip for quantized embeddings)."""
+        weight = self.token_embedding.weight
+        self._projection = (
+            mx.contiguous(weight.T)
+            if hasattr(mx, "contiguous")
+            else mx.array(np.ascontiguousarray(np.array(weight).T))
+        )
+        mx.eval(self._projection)
+
+    def cross_kv(self, audio: mx.array) -> list[tuple[mx.array, mx.array]]:
+        """Project encoder output to each layer's cross-attention keys and values, once."""
+        return [(b.cross_attn.key(audio), b.cross_attn.value(audio)) for b in self.blocks]
+
+    def logits(self, x: mx.array) -> mx.array:
+        if self._projection is not None:
+            return self.ln(x) @ self._projection
+        return self.token_embedding.as_linear(self.ln(x))  # tied output projection
+
+
+class Whisper(nn.Module):
+    def __init__(self, dims: ModelDimensions) -> None:
+        super().__init__()
+        self.dims = dims
+        self.encoder = AudioEncoder(
+            dims.n_mels, dims.n_audio_ctx, dims.n_audio_state, dims.n_audio_head, dims.n_audio_layer
+        )
+        self.decoder = TextDecoder(
+            dims.n_vocab, dims.n_text_ctx, dims.n_text_state, dims.n_text_head, dims.n_text_layer
+        )

@@ -1,0 +1,90 @@
+"""Offline transcription of a whole file, in-process: the accuracy reference for streaming.
+
+Whisper's long-form loop: 30 s windows at full audio context, greedy decoding with
+timestamps, each window conditioned on the text before it, and the next window starting at
+the last complete segment.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from ..config import SAMPLE_RATE_HZ
+from ..features import N_FRAMES, N_SAMPLES
+from .decoder import Segment
+from .engine import Engine, EngineConfig, Window
+from .options import DecodeOptions
+
+logger = logging.getLogger("server.engine.offline")
+
+PROMPT_TOKENS = 223  # Whisper conditions on at most half of the 448-token text context
+
+
+@dataclass(frozen=True)
+class Transcript:
+    text: str
+    segments: tuple[Segment, ...]  # times in seconds from the start of the audio
+    language: str | None
+
+
+def transcribe_audio(
+    engine: Engine, audio: npt.NDArray[np.float32], options: DecodeOptions | None = None
+) -> Transcript:
+    """Transcribe 16 kHz mono audio of any length with full 30 s contexts."""
+    options = options or DecodeOptions(word_timestamps=False)
+    seek = 0
+    segments: list[Segment] = []
+    context: list[int] = []
+    language = options.language
+    hop = N_SAMPLES // N_FRAMES
+    while seek < audio.shape[0]:
+        chunk = audio[seek : seek + N_SAMPLES]
+        if chunk.shape[0] < hop:  # less than one mel frame of audio is left
+            break
+        mel = engine.features(chunk, N_FRAMES)
+        window = Window(
+            mel, chunk.shape[0] / SAMPLE_RATE_HZ, options, prompt=tuple(context[-PROMPT_TOKENS:])
+        )
+        result = engine.decode_windows([window])[0]
+        language = result.language
+        offset_s = seek / SAMPLE_RATE_HZ
+        advance = chunk.shape[0]
+        if result.is_speech and result.segments:
+            done = [s for s in result.segments if s.end_s >= 0]
+            tail = [s for s in result.segments if s.end_s < 0]
+            if tail and done and chunk.shape[0] == N_SAMPLES:
+                # The last segment runs past the window: decode it again in the next one.
+                advance = round(done[-1].end_s * SAMPLE_RATE_HZ)
+                keep = done
+            else:
+                keep = list(result.segments)
+            for s in keep:
+                end = s.end_s if s.end_s >= 0 else chunk.shape[0] / SAMPLE_RATE_HZ
+                segments.append(Segment(offset_s + s.start_s, offset_s + end, s.text, s.tokens))
+                context.extend(s.tokens)
+        seek += max(advance, hop)
+    text = "".join(s.text for s in segments).strip()
+    return Transcript(text, tuple(segments), language)
+
+
+def transcribe_file(
+    path: str | Path,
+    *,
+    model: str = "tiny.en",
+    language: str | None = "en",
+    task: str = "transcribe",
+) -> str:
+    """Load the model, read the file (wav/flac/mp3/ogg) and return its transcript."""
+    from ..audio import read_audio_file
+
+    engine = Engine.load(EngineConfig(model=model))
+    if not engine.dims.is_multilingual:
+        language = "en"
+    audio = read_audio_file(path)
+    options = DecodeOptions(language=language, task=task, word_timestamps=False)
+    return transcribe_audio(engine, audio, options).text

@@ -1,0 +1,101 @@
+"""The commit policy: which decoded words are final and which are still tentative.
+
+LocalAgreement-n (whisper_streaming; Macháček, Dabre and Bojar, 2023): the window is decoded
+again as audio arrives, and a word becomes final once n consecutive decodes agree on it and on
+everything before it. The decoder is forced with the words already committed in the window,
+so each hypothesis handed in here is only the new tail after them.
+"""
+
+from __future__ import annotations
+
+import collections
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Word:
+    """One decoded word with its times in seconds.
+
+    ``text`` keeps Whisper's leading space (``" hello"``) so words join back into text by
+    plain concatenation.
+    """
+
+    text: str
+    start_s: float
+    end_s: float
+    probability: float = 1.0
+
+
+def normalize_word(text: str) -> str:
+    """The form two words are compared in: casefolded, without punctuation or spaces.
+
+    ``" Hello,"`` and ``"hello"`` both become ``"hello"``; Whisper often changes only
+    punctuation or case of a word between two decodes of the same audio.
+    """
+    return "".join(
+        ch
+        for ch in text.casefold()
+        if not ch.isspace() and not unicodedata.category(ch).startswith("P")
+    )
+
+
+class LocalAgreement:
+    """LocalAgreement-n over successive tails of one window.
+
+    ``update`` returns the words that became final; ``tentative`` is the rest of the newest
+    tail. A word is returned at most once, by ``update`` or ``finalize``, and never retracted.
+    """
+
+    def __init__(self, n: int = 2) -> None:
+        if n < 1:
+            raise ValueError(f"n must be >= 1; got {n}")
+        self._n = n
+        # The last n tails, each already trimmed of the words committed after it arrived.
+        self._tails: collections.deque[list[Word]] = collections.deque(maxlen=n)
+
+    @property
+    def n(self) -> int:
+        """How many consecutive tails must agree before a word is committed."""
+        return self._n
+
+    @property
+    def tentative(self) -> list[Word]:
+        """The newest tail without the words committed from it: shown, but may still change."""
+        return list(self._tails[-1]) if self._tails else []
+
+    def update(self, tail: Sequence[Word]) -> list[Word]:
+        """Take the newest hypothesis (the words after the committed ones) and commit.
+
+        Returns the newly committed words: the longest prefix on which the last n tails agree
+        (compared with ``normalize_word``), with the text and times of the newest tail.
+        """
+        self._tails.append(list(tail))
+        if len(self._tails) < self._n:
+            return []
+        newest = self._tails[-1]
+        agreed = 0
+        # Tails differ in length; agreement cannot reach past the shortest one.
+        for column in zip(*self._tails, strict=False):
+            first = normalize_word(column[0].text)
+            if any(normalize_word(word.text) != first for word in column[1:]):
+                break
+            agreed += 1
+        if agreed == 0:
+            return []
+        committed = newest[:agreed]
+        # The next tail starts after these words, so the remembered tails must too.
+        for i, old in enumerate(self._tails):
+            self._tails[i] = old[agreed:]
+        return committed
+
+    def finalize(self) -> list[Word]:
+        """Commit and return the tentative words (end of speech or a flush), then clear."""
+        remainder = self.tentative
+        self._tails.clear()
+        return remainder
+
+    def reset(self) -> None:
+        """Forget every tail without committing anything (e.g. a new window after a cut)."""
+        self._tails.clear()

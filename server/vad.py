@@ -1,0 +1,179 @@
+"""Voice activity segmentation with webrtcvad: 16 kHz samples in, speech start/end events out.
+
+Offsets are sample indices in the session's 16 kHz stream (sample 0 is the first sample the
+segmenter received), so the caller can cut its own audio buffer with them directly.
+
+A segment opens when at least ``speech_start_ms`` of the frames in the last
+``speech_start_window_ms`` are voiced (hysteresis against clicks and breaths), and closes after
+``speech_end_silence_ms`` of consecutive unvoiced frames. Both ends are widened by
+``speech_pad_ms`` so word onsets and trailing consonants are not clipped.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import webrtcvad
+
+from server.audio import pcm_s16le_bytes
+from server.config import SAMPLE_RATE_HZ, VadConfig
+
+logger = logging.getLogger("server.vad")
+
+# A fresh webrtcvad calls the first ~70-120 ms after digital silence speech, even for faint
+# noise (measured on webrtcvad-wheels 2.0.14: 3-4 frames of 30 ms at every aggressiveness).
+# Its verdicts only count once this much non-silent audio has gone through it.
+_WARMUP_MS = 150
+
+
+@dataclass(frozen=True)
+class SpeechStarted:
+    """Speech began; ``start_sample`` already includes the leading pad."""
+
+    start_sample: int
+
+
+@dataclass(frozen=True)
+class SpeechEnded:
+    """Speech ended; ``end_sample`` (exclusive) includes the trailing pad."""
+
+    end_sample: int
+
+
+VadEvent = SpeechStarted | SpeechEnded
+
+
+class VadSegmenter:
+    """Frames a 16 kHz float32 stream for webrtcvad and turns its verdicts into segments.
+
+    Feed any number of samples at a time with ``receive``; incomplete frames wait for the next
+    call. Events come out in stream order, a ``SpeechStarted`` always followed by exactly one
+    ``SpeechEnded`` before the next ``SpeechStarted``.
+    """
+
+    def __init__(self, config: VadConfig) -> None:
+        self._vad = webrtcvad.Vad(config.aggressiveness)
+        self._frame_len = config.frame_ms * SAMPLE_RATE_HZ // 1000
+        # Durations become whole frames, rounded up so a threshold is never undercut.
+        self._start_frames = math.ceil(config.speech_start_ms / config.frame_ms)
+        window_frames = max(
+            math.ceil(config.speech_start_window_ms / config.frame_ms), self._start_frames
+        )
+        self._end_frames = math.ceil(config.speech_end_silence_ms / config.frame_ms)
+        self._pad = config.speech_pad_ms * SAMPLE_RATE_HZ // 1000
+        self._warmup_frames = math.ceil(_WARMUP_MS / config.frame_ms)
+        self._voiced_run_start: int | None = None  # first frame of the current raw-voiced run
+        self._pending = np.zeros(0, dtype=np.float32)
+        self._processed = 0  # real (not zero-padded) samples that went through the VAD
+        # (frame start sample, voiced) for the start-hysteresis window, outside speech only.
+        self._window: collections.deque[tuple[int, bool]] = collections.deque(maxlen=window_frames)
+        self._in_speech = False
+        self._silent_frames = 0
+        self._last_voiced_end = 0
+        self._last_end = 0  # end_sample of the previous segment; the next one may not overlap
+
+    @property
+    def in_speech(self) -> bool:
+        """Whether a segment is open (a ``SpeechStarted`` without its ``SpeechEnded``)."""
+        return self._in_speech
+
+    @property
+    def samples_processed(self) -> int:
+        """Samples that have been through the VAD; buffered partial frames do not count."""
+        return self._processed
+
+    def receive(self, samples: npt.NDArray[np.float32]) -> list[VadEvent]:
+        """Add 16 kHz mono samples and return the events that complete frames produced."""
+        if samples.ndim != 1:
+            raise ValueError(f"expected mono samples (1-D); got shape {samples.shape}")
+        if self._pending.size:
+            buffered = np.concatenate([self._pending, samples.astype(np.float32, copy=False)])
+        else:
+            buffered = samples.astype(np.float32, copy=False)
+        whole = buffered.size - buffered.size % self._frame_len
+        self._pending = buffered[whole:].copy()
+        return self._process(buffered[:whole], whole)
+
+    def flush(self) -> list[VadEvent]:
+        """Process the buffered partial frame and close an open segment at the stream's end.
+
+        The partial frame is zero-padded to a whole frame for webrtcvad, but only its real
+        samples count. The segmenter can keep receiving afterwards; frames then start at the
+        flush point.
+        """
+        events: list[VadEvent] = []
+        if self._pending.size:
+            real = self._pending.size
+            frame = np.zeros(self._frame_len, dtype=np.float32)
+            frame[:real] = self._pending
+            self._pending = np.zeros(0, dtype=np.float32)
+            events = self._process(frame, real)
+        if self._in_speech:
+            # The speaker may still be talking: keep everything up to the end of the stream.
+            events.append(self._end(self._processed))
+        self._window.clear()
+        return events
+
+    def _process(self, samples: npt.NDArray[np.float32], real: int) -> list[VadEvent]:
+        """Run whole frames through webrtcvad; only the first ``real`` samples are audio."""
+        events: list[VadEvent] = []
+        pcm = pcm_s16le_bytes(samples)
+        frame_bytes = 2 * self._frame_len
+        for offset in range(0, len(pcm), frame_bytes):
+            start = self._processed
+            length = min(self._frame_len, real - offset // 2)
+            # webrtcvad accepts only 10, 20 or 30 ms frames of 16-bit mono PCM at 8, 16, 32
+            # or 48 kHz; VadConfig limits frame_ms to those and ingest resamples to 16 kHz.
+            frame = pcm[offset : offset + frame_bytes]
+            voiced = self._vad.is_speech(frame, SAMPLE_RATE_HZ)
+            self._processed += length
+            if voiced:
+                if self._voiced_run_start is None:
+                    self._voiced_run_start = start
+            else:
+                self._voiced_run_start = None
+            if self._warmup_frames:
+                if frame.count(0) != len(frame):
+                    self._warmup_frames -= 1
+                voiced = False
+            event = self._step(start, voiced)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def _step(self, frame_start: int, voiced: bool) -> VadEvent | None:
+        if self._in_speech:
+            if voiced:
+                self._silent_frames = 0
+                self._last_voiced_end = self._processed
+                return None
+            self._silent_frames += 1
+            if self._silent_frames >= self._end_frames:
+                return self._end(min(self._last_voiced_end + self._pad, self._processed))
+            return None
+        self._window.append((frame_start, voiced))
+        if sum(v for _, v in self._window) < self._start_frames:
+            return None
+        onset = next(start for start, v in self._window if v)
+        if self._voiced_run_start is not None:
+            # Only differs after warm-up: speech from the first sample keeps its onset.
+            onset = min(onset, self._voiced_run_start)
+        start_sample = max(onset - self._pad, 0, self._last_end)
+        self._in_speech = True
+        self._silent_frames = 0
+        self._last_voiced_end = self._processed  # this frame is voiced: it tipped the count
+        self._window.clear()
+        logger.debug("speech started at sample %d (onset %d)", start_sample, onset)
+        return SpeechStarted(start_sample)
+
+    def _end(self, end_sample: int) -> SpeechEnded:
+        self._in_speech = False
+        self._silent_frames = 0
+        self._last_end = end_sample
+        logger.debug("speech ended at sample %d", end_sample)
+        return SpeechEnded(end_sample)

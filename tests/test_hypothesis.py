@@ -1,0 +1,232 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server.hypothesis import LocalAgreement, Word, normalize_word
+
+
+def words(text: str, start_s: float = 0.0, step_s: float = 0.5) -> list[Word]:
+    """Scripted hypothesis: one Word per space-separated token, with Whisper's leading space."""
+    return [
+        Word(f" {token}", start_s + i * step_s, start_s + (i + 1) * step_s)
+        for i, token in enumerate(text.split())
+    ]
+
+
+def texts(ws: list[Word]) -> str:
+    return "".join(w.text for w in ws).strip()
+
+
+# --- normalize_word -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [(" Hello,", " hello"), (" WORLD.", "world"), (" don't", " Don't!"), (' "Yes?"', " yes")],
+)
+def test_normalize_word_ignores_case_punctuation_and_spaces(a: str, b: str) -> None:
+    assert normalize_word(a) == normalize_word(b) != ""
+
+
+def test_normalize_word_keeps_different_words_apart() -> None:
+    assert normalize_word(" hello") != normalize_word(" help")
+    assert normalize_word(" Straße") == normalize_word(" STRASSE")  # casefold, not lower
+
+
+# --- LocalAgreement, scripted -------------------------------------------------------------------
+
+
+def test_n2_commits_only_after_two_agreeing_tails() -> None:
+    la = LocalAgreement(2)
+    assert la.update(words("he hoped")) == []
+    assert texts(la.tentative) == "he hoped"
+    committed = la.update(words("he hoped there"))
+    assert texts(committed) == "he hoped"
+    assert texts(la.tentative) == "there"
+
+
+def test_punctuation_and_case_differences_still_agree() -> None:
+    la = LocalAgreement(2)
+    la.update(words("He hoped, there"))
+    committed = la.update(words("he Hoped there. Would"))
+    assert [w.text for w in committed] == [" he", " Hoped", " there."]
+    assert texts(la.tentative) == "Would"
+
+
+def test_disagreement_commits_nothing() -> None:
+    la = LocalAgreement(2)
+    la.update(words("he hoped"))
+    assert la.update(words("she hoped")) == []
+    assert texts(la.tentative) == "she hoped"
+    # Agreement is judged against the newest tail, not the first one ever seen.
+    assert texts(la.update(words("she hoped there"))) == "she hoped"
+
+
+def test_growing_tails_commit_progressively() -> None:
+    la = LocalAgreement(2)
+    # Each tail is what the decoder produced after the words committed so far.
+    assert la.update(words("he")) == []
+    assert texts(la.update(words("he hoped"))) == "he"
+    assert texts(la.update(words("hoped there"))) == "hoped"
+    assert texts(la.update(words("there would be"))) == "there"
+    assert texts(la.update(words("would be stew"))) == "would be"
+    assert texts(la.tentative) == "stew"
+    assert texts(la.finalize()) == "stew"
+
+
+def test_older_tail_that_disagrees_after_trimming_only_shortens_agreement() -> None:
+    la = LocalAgreement(3)
+    la.update(words("a b c"))
+    la.update(words("a b d"))
+    assert texts(la.update(words("a b c e"))) == "a b"
+    # Remembered tails are now "c", "d", "c e": the middle one blocks "c" until it drops out.
+    assert la.update(words("c e")) == []
+    assert texts(la.update(words("c e f"))) == "c e"
+
+
+def test_n1_commits_everything_at_once() -> None:
+    la = LocalAgreement(1)
+    assert texts(la.update(words("he hoped there"))) == "he hoped there"
+    assert la.tentative == []
+    assert texts(la.update(words("would be"))) == "would be"
+    assert la.finalize() == []
+
+
+def test_n3_needs_three_agreeing_tails() -> None:
+    la = LocalAgreement(3)
+    assert la.update(words("he hoped")) == []
+    assert la.update(words("he hoped there")) == []
+    assert texts(la.update(words("he hoped there would"))) == "he hoped"
+    assert texts(la.tentative) == "there would"
+    # The first tail drops out; of the last three, the oldest has "there" but not "would".
+    assert texts(la.update(words("there would"))) == "there"
+    assert texts(la.update(words("would be"))) == "would"
+    assert texts(la.tentative) == "be"
+
+
+def test_finalize_returns_the_remainder_exactly_once() -> None:
+    la = LocalAgreement(2)
+    la.update(words("he hoped"))
+    la.update(words("he hoped there would"))
+    assert texts(la.finalize()) == "there would"
+    assert la.finalize() == []
+    assert la.tentative == []
+    # A new segment starts from scratch: one tail is not enough again.
+    assert la.update(words("stew for")) == []
+
+
+def test_reset_forgets_without_committing() -> None:
+    la = LocalAgreement(2)
+    la.update(words("he hoped"))
+    la.reset()
+    assert la.tentative == []
+    assert la.update(words("he hoped")) == []
+    assert la.finalize() == words("he hoped")
+
+
+def test_times_come_from_the_newest_tail() -> None:
+    la = LocalAgreement(2)
+    la.update([Word(" Hello", 0.0, 0.4, 0.5), Word(" world", 0.4, 0.9, 0.6)])
+    newest = [Word(" hello,", 0.1, 0.5, 0.9), Word(" world", 0.5, 1.0, 0.8), Word(" x", 1, 2)]
+    assert la.update(newest) == newest[:2]
+    assert la.tentative == newest[2:]
+
+
+def test_empty_tails_are_harmless() -> None:
+    la = LocalAgreement(2)
+    assert la.update([]) == []
+    assert la.update([]) == []
+    assert la.update(words("a")) == []
+    assert la.finalize() == words("a")
+
+
+def test_n_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        LocalAgreement(0)
+
+
+# --- property: nothing doubled, nothing retracted ---------------------------------------------
+
+TRUE_WORDS = [f" w{i}" for i in range(40)]
+
+
+@st.composite
+def decode_steps(draw: st.DrawFn) -> list[tuple[int, int]]:
+    """A script of decodes: (words beyond the committed ones, how many of its last are wrong)."""
+    steps = draw(st.integers(min_value=1, max_value=30))
+    return [
+        (draw(st.integers(min_value=0, max_value=8)), draw(st.integers(min_value=0, max_value=3)))
+        for _ in range(steps)
+    ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(min_value=1, max_value=4),
+    script=decode_steps(),
+    colliding=st.booleans(),
+    data=st.data(),
+)
+def test_committed_words_form_one_prefix_consistent_sequence(
+    n: int, script: list[tuple[int, int]], colliding: bool, data: st.DataObject
+) -> None:
+    """A decoder that is forced with the committed words and gets the last few words of its
+    tail wrong. Wrong words are unique, or (``colliding``) drawn from a two-word alphabet so
+    that two decodes can agree on the same wrong word. Either way, whatever update() and
+    finalize() return is returned once, in order, at the position it belongs to, and never
+    taken back.
+    """
+    la = LocalAgreement(n)
+    committed: list[Word] = []
+    from_updates: list[Word] = []
+    wrong = 0
+    for new, bad in script:
+        true_tail = TRUE_WORDS[len(committed) : len(committed) + new]
+        tail = []
+        for i, text in enumerate(true_tail):
+            if i >= len(true_tail) - bad:
+                wrong += 1
+                suffix = data.draw(st.sampled_from("ab")) if colliding else str(wrong)
+                text = f" x{suffix}"
+            tail.append(Word(text, 0.0, 0.0))
+        tentative_before = la.tentative
+        got = la.update(tail)
+        # Newly committed words are a prefix of the newest tail...
+        assert got == tail[: len(got)]
+        assert la.tentative == tail[len(got) :]
+        # ...that, for n >= 2, the previous decode had already shown as tentative.
+        if n > 1:
+            assert [normalize_word(w.text) for w in got] == [
+                normalize_word(w.text) for w in tentative_before[: len(got)]
+            ]
+        committed += got
+        from_updates += got
+    committed += la.finalize()
+    assert la.finalize() == []
+    assert la.tentative == []
+    # Position i holds the i-th true word or a wrong word in its place: nothing doubled or
+    # skipped, so the clean words are a subsequence of the truth without duplicates.
+    for i, word in enumerate(committed):
+        assert word.text == TRUE_WORDS[i] or word.text.startswith(" x"), (i, committed)
+    clean = [w.text for w in committed if not w.text.startswith(" x")]
+    assert len(clean) == len(set(clean))
+    if n > 1 and not colliding:
+        # Unique wrong words never agree, so updates commit only the truth.
+        assert [w.text for w in from_updates] == TRUE_WORDS[: len(from_updates)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(min_value=2, max_value=4),
+    lengths=st.lists(st.integers(min_value=0, max_value=10), min_size=1, max_size=30),
+)
+def test_clean_decodes_commit_exactly_the_truth(n: int, lengths: list[int]) -> None:
+    la = LocalAgreement(n)
+    out: list[str] = []
+    for length in lengths:
+        out += [w.text for w in la.update(words(" ".join(TRUE_WORDS[len(out) :][:length])))]
+        assert out == TRUE_WORDS[: len(out)]
+    out += [w.text for w in la.finalize()]
+    assert out == TRUE_WORDS[: len(out)]

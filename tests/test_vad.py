@@ -1,0 +1,229 @@
+from __future__ import annotations
+
+import os
+import random
+import wave
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from server.config import SAMPLE_RATE_HZ, VadConfig
+from server.vad import SpeechEnded, SpeechStarted, VadEvent, VadSegmenter
+
+REPO = Path(__file__).resolve().parents[1]
+SECOND = SAMPLE_RATE_HZ
+MS = SAMPLE_RATE_HZ // 1000
+CLIP = "librispeech_test-clean/1089-134691-0000.wav"  # speech begins about 0.6 s in
+CLIP_FROM_START = "ljspeech/LJ001-0002.wav"  # speech from the first sample
+SECOND_CLIP = "librispeech_test-clean/1089-134686-0001.wav"
+
+
+def _speech_dir() -> Path:
+    for candidate in (
+        os.environ.get("WHISPERWIRE_SPEECH_DIR"),
+        REPO / "shared" / "speech",
+        REPO.parent / "shared" / "speech",
+    ):
+        if candidate and (Path(candidate) / "manifest.tsv").is_file():
+            return Path(candidate)
+    pytest.skip("real speech recordings (shared/speech) not found")
+
+
+def _load(name: str) -> npt.NDArray[np.float32]:
+    with wave.open(str(_speech_dir() / name), "rb") as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, SAMPLE_RATE_HZ)
+        data = w.readframes(w.getnframes())
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+
+
+def _energy_bounds(clip: npt.NDArray[np.float32]) -> tuple[int, int]:
+    """First and last sample of the 10 ms frames within 30 dB of the loudest one.
+
+    An independent, crude reference for where the speech is, to check the VAD against.
+    """
+    frames = clip[: clip.size - clip.size % (10 * MS)].reshape(-1, 10 * MS)
+    db = 10 * np.log10((frames.astype(np.float64) ** 2).mean(axis=1) + 1e-12)
+    loud = np.flatnonzero(db > db.max() - 30)
+    return int(loud[0]) * 10 * MS, (int(loud[-1]) + 1) * 10 * MS
+
+
+def _silence(seconds: float) -> npt.NDArray[np.float32]:
+    return np.zeros(round(seconds * SECOND), dtype=np.float32)
+
+
+def _run(
+    samples: npt.NDArray[np.float32], config: VadConfig | None = None, chunk: int | None = None
+) -> list[VadEvent]:
+    vad = VadSegmenter(config or VadConfig())
+    events: list[VadEvent] = []
+    step = chunk or max(samples.size, 1)
+    for pos in range(0, samples.size, step):
+        events += vad.receive(samples[pos : pos + step])
+    events += vad.flush()
+    assert vad.samples_processed == samples.size
+    assert not vad.in_speech
+    _check_well_formed(events, samples.size)
+    return events
+
+
+def _check_well_formed(events: list[VadEvent], total: int) -> None:
+    """Starts and ends alternate, segments do not overlap, and all lie inside the stream."""
+    last = 0
+    for i, event in enumerate(events):
+        if i % 2 == 0:
+            assert isinstance(event, SpeechStarted), events
+            assert last <= event.start_sample, events
+            last = event.start_sample
+        else:
+            assert isinstance(event, SpeechEnded), events
+            assert last < event.end_sample <= total, events
+            last = event.end_sample
+    assert len(events) % 2 == 0
+
+
+def _segments(events: list[VadEvent]) -> list[tuple[int, int]]:
+    starts = [e.start_sample for e in events if isinstance(e, SpeechStarted)]
+    ends = [e.end_sample for e in events if isinstance(e, SpeechEnded)]
+    return list(zip(starts, ends, strict=True))
+
+
+# --- no speech -----------------------------------------------------------------------------------
+
+
+def test_digital_silence_gives_no_events() -> None:
+    assert _run(_silence(5.0)) == []
+
+
+@pytest.mark.parametrize("aggressiveness", [0, 1, 2, 3])
+@pytest.mark.parametrize("level", [0.001, 0.003, 0.01])
+def test_low_white_noise_gives_no_events(aggressiveness: int, level: float) -> None:
+    rng = np.random.default_rng(aggressiveness)
+    noise = (rng.standard_normal(5 * SECOND) * level).astype(np.float32)
+    assert _run(noise, VadConfig(aggressiveness=aggressiveness)) == []
+
+
+@pytest.mark.parametrize("frame_ms", [10, 20, 30])
+def test_noise_after_silence_is_not_taken_for_speech(frame_ms: int) -> None:
+    # webrtcvad calls the first frames after digital silence speech; the warm-up hides that.
+    rng = np.random.default_rng(frame_ms)
+    noise = (rng.standard_normal(3 * SECOND) * 0.003).astype(np.float32)
+    assert _run(np.concatenate([_silence(1.0), noise]), VadConfig(frame_ms=frame_ms)) == []
+
+
+# --- real speech --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [CLIP, CLIP_FROM_START])
+@pytest.mark.parametrize("frame_ms", [10, 20, 30])
+def test_padded_clip_gives_one_segment(name: str, frame_ms: int) -> None:
+    config = VadConfig(frame_ms=frame_ms)
+    clip = _load(name)
+    onset, offset = _energy_bounds(clip)
+    stream = np.concatenate([_silence(1.0), clip, _silence(1.0)])
+    events = _run(stream, config)
+    assert len(events) == 2, events
+    start, end = _segments(events)[0]
+    pad = config.speech_pad_ms * MS
+    # The onset the VAD found (start + pad) is within 100 ms of where the speech begins...
+    assert abs(start + pad - (SECOND + onset)) <= 100 * MS, (start, SECOND + onset)
+    assert start <= SECOND + onset  # ...and with the pad, nothing of it is cut off.
+    assert SECOND + offset <= end < stream.size
+
+
+def test_two_clips_give_two_segments() -> None:
+    first, second = _load(CLIP), _load(SECOND_CLIP)
+    stream = np.concatenate([_silence(1.0), first, _silence(1.5), second, _silence(1.0)])
+    segments = _segments(_run(stream))
+    assert len(segments) == 2, segments
+    boundary = SECOND + first.size
+    assert segments[0][1] <= boundary + 500 * MS
+    assert segments[1][0] >= boundary
+    assert segments[1][1] >= boundary + 1.5 * SECOND + _energy_bounds(second)[1]
+
+
+def test_speech_from_the_first_sample_starts_at_zero() -> None:
+    events = _run(np.concatenate([_load(CLIP_FROM_START), _silence(1.0)]))
+    assert events[0] == SpeechStarted(0)
+    assert len(events) == 2
+
+
+def test_start_is_clamped_to_the_previous_end() -> None:
+    # A 400 ms pad around a 700 ms pause would make the second segment begin before the first
+    # one ends; the start is moved up to that end instead.
+    config = VadConfig(speech_pad_ms=400)
+    clip = _load(CLIP_FROM_START)
+    stream = np.concatenate([_silence(1.0), clip, _silence(0.7), clip, _silence(1.0)])
+    segments = _segments(_run(stream, config))
+    assert len(segments) == 2, segments
+    assert segments[1][0] == segments[0][1]
+
+
+def test_random_chunk_sizes_give_identical_events() -> None:
+    stream = np.concatenate([_silence(0.5), _load(CLIP), _silence(1.5), _load(SECOND_CLIP)])
+    stream = stream[:-1234]  # end inside speech and inside a frame
+    whole = _run(stream)
+    assert len(whole) == 4
+    rng = random.Random(4)
+    for _ in range(3):
+        vad = VadSegmenter(VadConfig())
+        events: list[VadEvent] = []
+        pos = 0
+        while pos < stream.size:
+            size = rng.randint(1, 5000)
+            events += vad.receive(stream[pos : pos + size])
+            pos += size
+        events += vad.flush()
+        assert events == whole
+
+
+def test_flush_closes_open_speech_at_the_end_of_the_stream() -> None:
+    clip = _load(CLIP)
+    _, offset = _energy_bounds(clip)
+    stream = np.concatenate([_silence(1.0), clip[: offset - 300 * MS]])
+    stream = stream[: stream.size - stream.size % (30 * MS) + 100]  # leave a partial frame
+    vad = VadSegmenter(VadConfig())
+    events = vad.receive(stream)
+    assert [type(e) for e in events] == [SpeechStarted]
+    assert vad.in_speech
+    assert vad.samples_processed == stream.size - 100
+    assert vad.flush() == [SpeechEnded(stream.size)]
+    assert vad.samples_processed == stream.size
+    assert not vad.in_speech
+    assert vad.flush() == []
+
+
+def test_segmenter_keeps_working_after_flush() -> None:
+    clip = _load(CLIP)
+    vad = VadSegmenter(VadConfig())
+    first = vad.receive(np.concatenate([_silence(1.0), clip[:-777]])) + vad.flush()
+    offset = vad.samples_processed
+    second = vad.receive(np.concatenate([_silence(1.0), clip, _silence(1.0)])) + vad.flush()
+    assert len(first) == len(second) == 2
+    assert isinstance(second[0], SpeechStarted)
+    assert second[0].start_sample > offset + 0.5 * SECOND
+
+
+# --- configuration and input checks -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"aggressiveness": 4}, "aggressiveness must be 0, 1, 2 or 3"),
+        ({"frame_ms": 25}, "frame_ms must be 10, 20 or 30"),
+        ({"speech_start_ms": 0}, "speech_start_ms"),
+        ({"speech_start_ms": 200, "speech_start_window_ms": 150}, "speech_start_window_ms"),
+        ({"speech_end_silence_ms": 10}, "at least one frame"),
+        ({"speech_pad_ms": -1}, "speech_pad_ms"),
+    ],
+)
+def test_config_validation(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        VadConfig(**kwargs)
+
+
+def test_receive_rejects_multichannel_input() -> None:
+    with pytest.raises(ValueError, match="1-D"):
+        VadSegmenter(VadConfig()).receive(np.zeros((100, 2), dtype=np.float32))
