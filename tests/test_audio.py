@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import struct
@@ -16,19 +15,6 @@ from server.audio import PcmDecoder, pcm_s16le_bytes, read_audio_file
 from server.config import SAMPLE_RATE_HZ, AudioFormat
 from server.errors import AudioFormatError, FrameTooLargeError
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _speech_dir() -> Path:
-    for candidate in (
-        os.environ.get("WHISPERWIRE_SPEECH_DIR"),
-        REPO / "shared" / "speech",
-        REPO.parent / "shared" / "speech",
-    ):
-        if candidate and (Path(candidate) / "manifest.tsv").is_file():
-            return Path(candidate)
-    pytest.skip("real speech recordings (shared/speech) not found")
-
 
 def _raw_wav(path: Path) -> npt.NDArray[np.float32]:
     with wave.open(str(path), "rb") as w:
@@ -38,8 +24,8 @@ def _raw_wav(path: Path) -> npt.NDArray[np.float32]:
 
 
 @pytest.fixture
-def speech() -> npt.NDArray[np.float32]:
-    return _raw_wav(_speech_dir() / "librispeech_test-clean" / "1089-134686-0000.wav")
+def speech(speech_dir: Path) -> npt.NDArray[np.float32]:
+    return _raw_wav(speech_dir / "librispeech_test-clean" / "1089-134686-0000.wav")
 
 
 @pytest.fixture
@@ -202,8 +188,8 @@ def test_pcm_s16le_bytes_clips_and_silences_nan() -> None:
 # --- read_audio_file ---------------------------------------------------------------------------
 
 
-def test_read_real_16bit_wav_matches_raw_samples(no_ffmpeg: None) -> None:
-    path = _speech_dir() / "misc_en" / "jfk.wav"
+def test_read_real_16bit_wav_matches_raw_samples(no_ffmpeg: None, speech_dir: Path) -> None:
+    path = speech_dir / "misc_en" / "jfk.wav"
     out = read_audio_file(path)
     assert out.dtype == np.float32
     np.testing.assert_array_equal(out, _raw_wav(path))
@@ -275,6 +261,6 @@ def test_non_wav_without_ffmpeg_says_to_install_it(tmp_path: Path, no_ffmpeg: No
 
 
 @pytest.mark.skipif(shutil.which("ffmpeg") is None, reason="ffmpeg not installed")
-def test_read_real_wav_with_ffmpeg() -> None:
-    path = _speech_dir() / "misc_en" / "jfk.wav"
+def test_read_real_wav_with_ffmpeg(speech_dir: Path) -> None:
+    path = speech_dir / "misc_en" / "jfk.wav"
     np.testing.assert_allclose(read_audio_file(path), _raw_wav(path), atol=1e-6)

@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-import os
 import random
-import wave
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +9,8 @@ import pytest
 
 from server.config import SAMPLE_RATE_HZ, VadConfig
 from server.vad import SpeechEnded, SpeechStarted, VadEvent, VadSegmenter
+from tests.helpers import find_speech_dir, load_clip
 
-REPO = Path(__file__).resolve().parents[1]
 SECOND = SAMPLE_RATE_HZ
 MS = SAMPLE_RATE_HZ // 1000
 CLIP = "librispeech_test-clean/1089-134691-0000.wav"  # speech begins about 0.6 s in
@@ -21,21 +19,14 @@ SECOND_CLIP = "librispeech_test-clean/1089-134686-0001.wav"
 
 
 def _speech_dir() -> Path:
-    for candidate in (
-        os.environ.get("WHISPERWIRE_SPEECH_DIR"),
-        REPO / "shared" / "speech",
-        REPO.parent / "shared" / "speech",
-    ):
-        if candidate and (Path(candidate) / "manifest.tsv").is_file():
-            return Path(candidate)
-    pytest.skip("real speech recordings (shared/speech) not found")
+    found = find_speech_dir()
+    if found is None:
+        pytest.skip("real speech recordings (shared/speech) not found")
+    return found
 
 
 def _load(name: str) -> npt.NDArray[np.float32]:
-    with wave.open(str(_speech_dir() / name), "rb") as w:
-        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, SAMPLE_RATE_HZ)
-        data = w.readframes(w.getnframes())
-    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+    return load_clip(_speech_dir() / name)
 
 
 def _energy_bounds(clip: npt.NDArray[np.float32]) -> tuple[int, int]:

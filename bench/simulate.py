@@ -1,0 +1,131 @@
+"""Stream a recording through a Session in simulated real time, decode time charged to the clock.
+
+Audio arrives at 1x real time; while a decode runs, the clock advances by the decode's wall
+time, so the audio that arrives meanwhile is fed before the next decode -- exactly what a
+single-stream server would see. Used by the streaming-core tests and the latency benchmark.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from server.audio import pcm_s16le_bytes
+from server.config import SAMPLE_RATE_HZ, StreamingConfig, VadConfig
+from server.engine.engine import Engine, Window
+from server.messages import FinalMessage, PartialMessage, ServerMessage, SpeechStartedMessage
+from server.session import Session
+
+CHUNK_S = 0.02
+
+
+@dataclass
+class TimedEvent:
+    at_s: float  # simulated wall clock, seconds since the stream started
+    message: ServerMessage
+
+
+@dataclass
+class SimulationResult:
+    events: list[TimedEvent] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)
+    audio_s: float = 0.0
+
+    @property
+    def finals(self) -> list[FinalMessage]:
+        return [e.message for e in self.events if isinstance(e.message, FinalMessage)]
+
+    @property
+    def text(self) -> str:
+        return " ".join(f.text for f in self.finals)
+
+    def first_partial_latency_s(self) -> float | None:
+        """Speech onset (first speech_started.start) to the first partial or final with a word."""
+        onset = next(
+            (e.message.start for e in self.events if isinstance(e.message, SpeechStartedMessage)),
+            None,
+        )
+        first = next(
+            (
+                e.at_s
+                for e in self.events
+                if isinstance(e.message, (PartialMessage, FinalMessage)) and e.message.text.strip()
+            ),
+            None,
+        )
+        return None if onset is None or first is None else first - onset
+
+    def final_latencies_s(self) -> list[float]:
+        """For each final: when it arrived minus the stream time of its last word's end."""
+        return [e.at_s - e.message.end for e in self.events if isinstance(e.message, FinalMessage)]
+
+    def flicker(self) -> tuple[int, int]:
+        """(words shown in a partial and later changed, words shown in partials in all)."""
+        changed = shown = 0
+        previous: list[str] = []
+        for e in self.events:
+            m = e.message
+            if isinstance(m, PartialMessage):
+                words = m.text.split()
+                shown += len(words)
+                common = 0
+                for a, b in zip(previous, words, strict=False):
+                    if a.strip(".,?!").lower() != b.strip(".,?!").lower():
+                        break
+                    common += 1
+                changed += (
+                    len(previous) - common
+                    if len(words) < len(previous) or common < len(previous)
+                    else 0
+                )
+                previous = words
+            elif isinstance(m, FinalMessage):
+                previous = []
+        return changed, shown
+
+
+def simulate(
+    engine: Engine,
+    audio: npt.NDArray[np.float32],
+    *,
+    streaming: StreamingConfig | None = None,
+    vad: VadConfig | None = None,
+    session_id: str = "sim",
+) -> SimulationResult:
+    session = Session(
+        session_id, engine, streaming=streaming, vad=vad, multilingual=engine.dims.is_multilingual
+    )
+    result = SimulationResult(audio_s=audio.shape[0] / SAMPLE_RATE_HZ)
+    chunk = int(CHUNK_S * SAMPLE_RATE_HZ)
+    clock = 0.0
+    fed = 0
+    ended = False
+    while not session.done:
+        while fed < audio.shape[0] and fed < clock * SAMPLE_RATE_HZ:
+            session.receive_audio(pcm_s16le_bytes(audio[fed : fed + chunk]))
+            fed += chunk
+        if fed >= audio.shape[0] and not ended:
+            session.receive_text('{"type": "end"}')
+            ended = True
+        for m in session.events_to_send():
+            result.events.append(TimedEvent(clock, m))
+        job = session.next_job()
+        if job is None:
+            if ended and not session.done and not session.busy:
+                raise RuntimeError("session is stuck: ended, idle, but not done")
+            clock += CHUNK_S
+            continue
+        started = time.perf_counter()
+        mel = engine.features(job.audio)
+        window = Window(mel, job.audio_s, job.options, job.prompt, job.prefix)
+        decoded = engine.decode_windows([window])[0]
+        spent = time.perf_counter() - started
+        result.decode_s.append(spent)
+        clock += spent
+        session.receive_result(job, decoded)
+        for m in session.events_to_send():
+            result.events.append(TimedEvent(clock, m))
+    return result

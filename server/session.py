@@ -1,0 +1,482 @@
+"""The streaming core of one client: audio and control messages in, events and decode jobs out.
+
+No asyncio, sockets or MLX here. The caller feeds ``receive_audio`` / ``receive_text``, takes
+decode work from ``next_job`` and hands results back to ``receive_result``; server messages
+come out of ``events_to_send``. Every piece of state about the client lives on this object.
+
+How text is produced:
+- webrtcvad splits the stream into speech segments (``vad.py``).
+- While speech goes on, the window -- the audio since the last cut -- is decoded again each
+  time ``min_new_audio_ms`` of new audio has arrived and no decode of this session is in
+  flight. Words already committed in the window are forced as the decoder's prefix, so each
+  decode only proposes the tail after them.
+- LocalAgreement-n commits the words that n consecutive tails agree on (``hypothesis.py``).
+  Committed words go out at once as a ``final``; the rest goes out as a ``partial``.
+- The window is cut after a committed word that ends a sentence, and at the last committed
+  word when it grows past ``max_window_s``; committed text before the cut is the prompt.
+- At the end of speech, on ``flush`` and on ``end``, the window is decoded once more and
+  everything left is committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from .audio import PcmDecoder
+from .buffer import SampleBuffer
+from .config import SAMPLE_RATE_HZ, AudioFormat, StreamingConfig, VadConfig
+from .engine.options import DecodeOptions
+from .errors import ProtocolError
+from .hypothesis import LocalAgreement, Word
+from .messages import (
+    AUTO_LANGUAGE,
+    ConfigMessage,
+    DoneMessage,
+    EndMessage,
+    ErrorMessage,
+    FinalMessage,
+    FlushMessage,
+    PartialMessage,
+    ServerMessage,
+    SpeechEndedMessage,
+    SpeechStartedMessage,
+    WordInfo,
+    parse_client_message,
+)
+from .vad import SpeechEnded, SpeechStarted, VadSegmenter
+
+if TYPE_CHECKING:
+    from .engine.decoder import DecodeResult
+
+logger = logging.getLogger("server.session")
+
+Float32Array = npt.NDArray[np.float32]
+SENTENCE_END = (".", "?", "!", "。", "？", "！")
+MIN_CUT_WINDOW_S = 2.0  # do not cut windows shorter than this at a sentence end
+MAX_DECODE_FAILURES = 3  # per segment, before its remaining audio is given up with an error
+IDLE_KEEP_S = 1.0  # audio kept while nobody speaks, for the VAD's look-back padding
+
+
+class TextCodec(Protocol):
+    """What the session needs of the tokenizer (the engine provides it)."""
+
+    def encode_text(self, text: str) -> tuple[int, ...]: ...
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """One window for the decode stage. ``audio`` is 16 kHz mono starting at ``start_s``."""
+
+    session_id: str
+    job_id: int
+    audio: Float32Array
+    start_s: float
+    options: DecodeOptions
+    prompt: tuple[int, ...]
+    prefix: tuple[int, ...]
+    closing: bool  # the last decode of this window: everything it returns is committed
+    created_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def audio_s(self) -> float:
+        return float(self.audio.shape[0] / SAMPLE_RATE_HZ)
+
+
+@dataclass
+class _Segment:
+    """One stretch of speech between VAD boundaries (or a flush)."""
+
+    start: int  # stream samples
+    end: int | None = None  # set when speech ended
+    window_start: int = 0
+    decoded_to: int = 0  # end sample of the last decode's window
+    committed: list[Word] = field(default_factory=list)  # committed in the current window
+    committed_tokens: list[int] = field(default_factory=list)
+    agreement: LocalAgreement = field(default_factory=LocalAgreement)
+    tentative: list[Word] = field(default_factory=list)
+    failures: int = 0
+
+
+class Session:
+    """One client's stream. Not thread-safe; the pipeline calls it from the event loop."""
+
+    def __init__(
+        self,
+        session_id: str,
+        codec: TextCodec,
+        *,
+        audio_format: AudioFormat | None = None,
+        streaming: StreamingConfig | None = None,
+        vad: VadConfig | None = None,
+        multilingual: bool = False,
+    ) -> None:
+        self.session_id = session_id
+        self.codec = codec
+        self.audio_format = audio_format or AudioFormat()
+        self.streaming = streaming or StreamingConfig()
+        self.vad_config = vad or VadConfig()
+        self.multilingual = multilingual
+        self.log = logging.LoggerAdapter(logger, {"session_id": session_id})
+        self._pcm = PcmDecoder(self.audio_format, max_frame_bytes=self.streaming.max_frame_bytes)
+        self._vad = VadSegmenter(self.vad_config)
+        self._buffer = SampleBuffer()
+        self._events: list[ServerMessage] = []
+        self._segments: deque[_Segment] = deque()
+        self._prompt: list[int] = []
+        self._prompt_ok = True
+        self._language = self.streaming.language if multilingual else "en"
+        self._next_segment_id = 0
+        self._next_job_id = 0
+        self._in_flight: DecodeJob | None = None
+        self._audio_started = False
+        self._ended = False
+        self._done = False
+        self._last_partial: tuple[int, str] | None = None
+        self._speech_samples = 0
+        self._created = time.monotonic()
+
+    # -- properties ----------------------------------------------------------------------
+    @property
+    def audio_received_s(self) -> float:
+        return self._pcm.seconds_in
+
+    @property
+    def done(self) -> bool:
+        """True once ``end`` was processed, every word finalised and ``done`` emitted."""
+        return self._done
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    @property
+    def busy(self) -> bool:
+        return self._in_flight is not None
+
+    @property
+    def language(self) -> str | None:
+        return self._language
+
+    @property
+    def pending_audio_s(self) -> float:
+        """Speech received but not yet covered by a decode: how far behind this stream is."""
+        behind = 0
+        for seg in self._segments:
+            end = seg.end if seg.end is not None else self._buffer.end
+            behind += max(0, end - max(seg.decoded_to, seg.window_start))
+        return behind / SAMPLE_RATE_HZ
+
+    # -- input ---------------------------------------------------------------------------
+    def receive_audio(self, data: bytes) -> None:
+        """Accept one binary frame. Raises a StreamError subclass for bad audio."""
+        if self._ended:
+            raise ProtocolError("audio after end", close_code=1008)
+        samples = self._pcm.decode(data)
+        self._audio_started = self._audio_started or len(data) > 0
+        self._ingest(samples)
+
+    def receive_text(self, text: str) -> None:
+        """Accept one text frame: config, flush or end. Raises ProtocolError."""
+        message = parse_client_message(text)
+        if isinstance(message, ConfigMessage):
+            self._configure(message)
+        elif isinstance(message, FlushMessage):
+            if self._ended:
+                raise ProtocolError("flush after end")
+            self._close_open_segment(self._buffer.end, reopen=self._vad.in_speech)
+        elif isinstance(message, EndMessage):
+            if self._ended:
+                raise ProtocolError("end sent twice")
+            self._end()
+
+    def _configure(self, message: ConfigMessage) -> None:
+        if self._audio_started:
+            raise ProtocolError("config must come before the first audio frame")
+        if self._ended:
+            raise ProtocolError("config after end")
+        fmt = AudioFormat(
+            sample_rate_hz=message.sample_rate_hz or self.audio_format.sample_rate_hz,
+            encoding=message.encoding or self.audio_format.encoding,
+        )
+        language = self._language
+        if message.language is not None:
+            language = None if message.language == AUTO_LANGUAGE else message.language
+        if not self.multilingual and language not in (None, "en"):
+            raise ProtocolError(
+                f"this model is English-only; language {language!r} is not available"
+            )
+        if not self.multilingual and message.task == "translate":
+            raise ProtocolError("this model is English-only; task 'translate' is not available")
+        if not self.multilingual:
+            language = "en"
+        task = message.task or self.streaming.task
+        self.audio_format = fmt
+        self._pcm = PcmDecoder(fmt, max_frame_bytes=self.streaming.max_frame_bytes)
+        self._language = language
+        self.streaming = StreamingConfig(
+            **{**self.streaming.__dict__, "language": language, "task": task}
+        )
+
+    def _end(self) -> None:
+        self._ended = True
+        tail = self._pcm.flush()
+        self._ingest(tail)
+        for event in self._vad.flush():
+            self._on_vad(event)
+        self._close_open_segment(self._buffer.end, reopen=False)
+        self._maybe_done()
+
+    def _ingest(self, samples: Float32Array) -> None:
+        if samples.size:
+            self._buffer.append(samples)
+        for event in self._vad.receive(samples) if samples.size else []:
+            self._on_vad(event)
+        self._trim()
+
+    def _on_vad(self, event: SpeechStarted | SpeechEnded) -> None:
+        now_s = self.audio_received_s
+        if isinstance(event, SpeechStarted):
+            start = max(event.start_sample, self._buffer.start)
+            self._segments.append(_Segment(start=start, window_start=start, decoded_to=start))
+            self._events.append(SpeechStartedMessage(start / SAMPLE_RATE_HZ, now_s))
+        else:
+            self._events.append(SpeechEndedMessage(event.end_sample / SAMPLE_RATE_HZ, now_s))
+            self._close_open_segment(event.end_sample, reopen=False)
+
+    def _close_open_segment(self, end: int, *, reopen: bool) -> None:
+        if self._segments and self._segments[-1].end is None:
+            seg = self._segments[-1]
+            seg.end = max(end, seg.window_start)
+            self._speech_samples += seg.end - seg.start
+            if reopen:
+                self._segments.append(_Segment(start=end, window_start=end, decoded_to=end))
+
+    def _trim(self) -> None:
+        if self._segments:
+            keep_from = self._segments[0].window_start
+        else:
+            keep_from = self._buffer.end - int(IDLE_KEEP_S * SAMPLE_RATE_HZ)
+        self._buffer.trim(keep_from)
+
+    # -- decode jobs ---------------------------------------------------------------------
+    def next_job(self) -> DecodeJob | None:
+        """The next window to decode, or None (one job per session is in flight at most)."""
+        if self._in_flight is not None or not self._segments:
+            return None
+        seg = self._segments[0]
+        closing = seg.end is not None
+        end = seg.end if seg.end is not None else self._buffer.end
+        if not closing:
+            new = end - seg.decoded_to
+            need_ms = (
+                self.streaming.first_decode_ms
+                if seg.decoded_to == seg.window_start
+                else self.streaming.min_new_audio_ms
+            )
+            if new * 1000 < need_ms * SAMPLE_RATE_HZ:
+                return None
+        max_window = int(self.streaming.max_window_s * SAMPLE_RATE_HZ)
+        if end - seg.window_start > max_window:
+            self._force_cut(seg, seg.window_start + max_window)
+            end = seg.end if closing and seg.end is not None else self._buffer.end
+            end = min(end, seg.window_start + max_window)
+            closing = closing and end == seg.end
+        if end <= seg.window_start:
+            self._finish_segment_if_closed(seg)
+            return self.next_job()
+        job = DecodeJob(
+            session_id=self.session_id,
+            job_id=self._next_job_id,
+            audio=self._buffer.slice(seg.window_start, end),
+            start_s=seg.window_start / SAMPLE_RATE_HZ,
+            options=DecodeOptions(language=self._language, task=self.streaming.task),
+            prompt=tuple(self._prompt[-self.streaming.prompt_max_tokens :])
+            if self._prompt_ok
+            else (),
+            prefix=tuple(seg.committed_tokens),
+            closing=closing,
+        )
+        self._next_job_id += 1
+        seg.decoded_to = end
+        self._in_flight = job
+        return job
+
+    def receive_result(self, job: DecodeJob, result: DecodeResult) -> None:
+        """Fold one decode result into the stream's text and emit events."""
+        if self._in_flight is None or job.job_id != self._in_flight.job_id:
+            self.log.warning("result for unknown job %d ignored", job.job_id)
+            return
+        self._in_flight = None
+        seg = self._segments[0]
+        if self._language is None and result.language:
+            self._language = result.language
+        self._prompt_ok = result.stop_reason not in ("repetition", "compression")
+        tail = self._tail_words(job, result)
+        committed = seg.agreement.update(tail)
+        if job.closing:
+            committed += seg.agreement.finalize()
+        seg.tentative = seg.agreement.tentative
+        self._commit(seg, committed, result, job)
+        self._emit_partial(seg)
+        if job.closing:
+            self._finish_segment_if_closed(seg)
+        else:
+            self._maybe_cut_at_sentence(seg)
+        self._maybe_done()
+
+    def receive_failure(self, job: DecodeJob, error: Exception) -> None:
+        """A decode failed: tell the client; the window is retried with the next job."""
+        if self._in_flight is None or job.job_id != self._in_flight.job_id:
+            return
+        self._in_flight = None
+        self._events.append(
+            ErrorMessage("decode_failed", f"decoding failed: {error}", False, self.audio_received_s)
+        )
+        seg = self._segments[0]
+        seg.failures += 1
+        if job.closing or seg.failures >= MAX_DECODE_FAILURES:
+            # Keep what was shown; the audio that could not be decoded is reported, not retried
+            # forever.
+            self._commit(seg, seg.agreement.finalize(), None, None)
+            if seg.end is None:
+                self._close_open_segment(seg.window_start + job.audio.shape[0], reopen=True)
+            self._finish_segment_if_closed(seg)
+            self._maybe_done()
+        else:
+            seg.decoded_to = seg.window_start  # retried with the next audio
+
+    def _tail_words(self, job: DecodeJob, result: DecodeResult) -> list[Word]:
+        """Words after the forced prefix, in stream time."""
+        if not result.is_speech:
+            return []
+        words = list(result.words)
+        forced = len(job.prefix)
+        count = 0
+        k = 0
+        while k < len(words) and count < forced:
+            count += len(words[k].tokens)
+            k += 1
+        return [
+            Word(w.word, job.start_s + w.start_s, job.start_s + w.end_s, w.probability)
+            for w in words[k:]
+            if w.word.strip()
+        ]
+
+    def _commit(
+        self, seg: _Segment, words: list[Word], result: DecodeResult | None, job: DecodeJob | None
+    ) -> None:
+        """Record committed words on the window and send them as a final."""
+        if not words:
+            return
+        known: dict[tuple[str, float], tuple[int, ...]] = {}
+        if result is not None and job is not None:
+            known = {(w.word, round(job.start_s + w.start_s, 3)): w.tokens for w in result.words}
+        for w in words:
+            toks = known.get((w.text, round(w.start_s, 3)))
+            seg.committed_tokens.extend(
+                toks if toks is not None else self.codec.encode_text(w.text)
+            )
+        seg.committed.extend(words)
+        text = "".join(w.text for w in words).strip()
+        if not text:
+            return
+        self._events.append(
+            FinalMessage(
+                segment_id=self._next_segment_id,
+                text=text,
+                start=words[0].start_s,
+                end=words[-1].end_s,
+                words=tuple(
+                    WordInfo(w.text.strip(), w.start_s, w.end_s, w.probability) for w in words
+                ),
+                audio_received_s=self.audio_received_s,
+            )
+        )
+        self._next_segment_id += 1
+        self._last_partial = None
+
+    def _emit_partial(self, seg: _Segment) -> None:
+        words = seg.tentative
+        text = "".join(w.text for w in words).strip()
+        key = (self._next_segment_id, text)
+        if key == self._last_partial or (not text and self._last_partial is None):
+            return
+        self._last_partial = key
+        start = words[0].start_s if words else seg.window_start / SAMPLE_RATE_HZ
+        end = words[-1].end_s if words else start
+        self._events.append(
+            PartialMessage(self._next_segment_id, text, start, end, self.audio_received_s)
+        )
+
+    def _cut(self, seg: _Segment, at: int) -> None:
+        """Start a new window at ``at``; committed text of the old one becomes the prompt."""
+        self._prompt.extend(seg.committed_tokens)
+        self._prompt = self._prompt[-self.streaming.prompt_max_tokens * 2 :]
+        seg.window_start = max(seg.window_start, min(at, seg.end if seg.end is not None else at))
+        seg.decoded_to = max(seg.decoded_to, seg.window_start)
+        seg.committed.clear()
+        seg.committed_tokens.clear()
+        seg.agreement.reset()
+        seg.tentative = []
+        self._trim()
+
+    def _maybe_cut_at_sentence(self, seg: _Segment) -> None:
+        if not seg.committed or not seg.committed[-1].text.rstrip().endswith(SENTENCE_END):
+            return
+        at = round(seg.committed[-1].end_s * SAMPLE_RATE_HZ)
+        if (at - seg.window_start) >= MIN_CUT_WINDOW_S * SAMPLE_RATE_HZ:
+            self._cut(seg, at)
+
+    def _force_cut(self, seg: _Segment, limit: int) -> None:
+        """The window outgrew ``max_window_s``: cut at the last committed word, or commit the
+        tentative words first if nothing was agreed on."""
+        if not seg.committed and seg.tentative:
+            self._commit(seg, seg.agreement.finalize(), None, None)
+        at = round(seg.committed[-1].end_s * SAMPLE_RATE_HZ) if seg.committed else limit
+        if at <= seg.window_start:
+            at = limit
+        self._cut(seg, min(at, limit))
+
+    def _finish_segment_if_closed(self, seg: _Segment) -> None:
+        if seg.end is None:
+            return
+        self._prompt.extend(seg.committed_tokens)
+        self._prompt = self._prompt[-self.streaming.prompt_max_tokens * 2 :]
+        if self._last_partial is not None and self._last_partial[1]:
+            self._events.append(
+                PartialMessage(
+                    self._next_segment_id,
+                    "",
+                    seg.end / SAMPLE_RATE_HZ,
+                    seg.end / SAMPLE_RATE_HZ,
+                    self.audio_received_s,
+                )
+            )
+        self._last_partial = None
+        self._segments.popleft()
+        self._trim()
+
+    def _maybe_done(self) -> None:
+        if self._ended and not self._done and not self._segments and self._in_flight is None:
+            self._done = True
+            self._events.append(
+                DoneMessage(
+                    segments=self._next_segment_id,
+                    audio_received_s=self.audio_received_s,
+                    speech_s=self._speech_samples / SAMPLE_RATE_HZ,
+                    session_s=time.monotonic() - self._created,
+                )
+            )
+
+    # -- output --------------------------------------------------------------------------
+    def events_to_send(self) -> list[ServerMessage]:
+        """Messages produced since the last call, in order."""
+        events, self._events = self._events, []
+        return events
