@@ -5,7 +5,7 @@ The CLI only maps flags onto these; nothing else reads options from dictionaries
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SAMPLE_RATE_HZ = 16_000  # Whisper's input rate; everything downstream of ingest runs at it
 ENCODINGS = ("pcm_s16le", "pcm_f32le")
@@ -70,6 +70,7 @@ class StreamingConfig:
     min_new_audio_ms: int = 300  # re-decode once this much new speech arrived
     first_decode_ms: int = 300  # the first decode of a segment waits for this much speech
     max_window_s: float = 15.0  # cut the window at a committed boundary beyond this
+    clause_cut_s: float = 6.0  # past this, also cut after a committed comma, colon or semicolon
     agreement_n: int = 2  # LocalAgreement-n: words agreed by n consecutive decodes are final
     prompt_max_tokens: int = 64  # committed text fed back as context, most recent first
     max_frame_bytes: int = 1 << 20  # one binary frame; larger gets 1009
@@ -79,6 +80,8 @@ class StreamingConfig:
             raise ValueError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}")
         if not 0 < self.max_window_s <= 30.0:
             raise ValueError(f"max_window_s must be in (0, 30]; got {self.max_window_s}")
+        if not 0 < self.clause_cut_s <= self.max_window_s:
+            raise ValueError("clause_cut_s must be in (0, max_window_s]")
         if self.agreement_n < 1:
             raise ValueError(f"agreement_n must be >= 1; got {self.agreement_n}")
         if self.min_new_audio_ms <= 0 or self.first_decode_ms <= 0:
@@ -89,3 +92,82 @@ class StreamingConfig:
             )
         if self.max_frame_bytes <= 0:
             raise ValueError("max_frame_bytes must be > 0")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The decode stage: how windows from many sessions are batched for the one MLX thread."""
+
+    max_batch_size: int = 8  # windows decoded together in one engine call
+    batch_wait_ms: float = 5.0  # how long the stalest waiting window may wait for company
+    feature_workers: int = 2  # threads computing log-mel (NumPy releases the GIL)
+    max_queued_windows: int = 256  # windows waiting for the decode worker; more wait upstream
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1; got {self.max_batch_size}")
+        if not 0 <= self.batch_wait_ms <= 1000:
+            raise ValueError(f"batch_wait_ms must be in [0, 1000]; got {self.batch_wait_ms}")
+        if self.feature_workers < 1:
+            raise ValueError(f"feature_workers must be >= 1; got {self.feature_workers}")
+        if self.max_queued_windows < self.max_batch_size:
+            raise ValueError("max_queued_windows must be >= max_batch_size")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The network side: where to listen, limits per connection, security, shutdown."""
+
+    host: str = "127.0.0.1"
+    port: int = 8765  # 0: any free port (tests)
+    max_sessions: int = 32  # concurrent streams; more are refused with close 1013
+    max_frame_bytes: int = 1 << 20  # one binary audio frame; larger gets an error and 1009
+    max_session_s: float = 4 * 3600.0  # wall-clock or audio seconds, whichever comes first
+    idle_timeout_s: float = 30.0  # no frame from the client for this long ends the session
+    api_key: str | None = field(default=None, repr=False)  # None: no authentication
+    allowed_origins: tuple[str, ...] = ()  # besides the server's own origin; "*" allows any
+    tls_cert_path: str | None = None  # PEM certificate chain; with tls_key_path serves wss://
+    tls_key_path: str | None = None
+    ping_interval_s: float | None = 20.0  # WebSocket keepalive ping; None disables it
+    ping_timeout_s: float | None = 20.0  # no pong within this closes the connection (1011)
+    open_timeout_s: float = 10.0  # the opening handshake must complete within this
+    close_timeout_s: float = 5.0  # wait this long for the peer's close frame, then drop TCP
+    write_limit_bytes: int = 64 * 1024  # outgoing bytes buffered per connection before sends wait
+    max_pending_messages: int = 512  # server messages queued for one client; more drops it
+    max_incoming_frames: int = 16  # frames read ahead per connection before TCP backpressure
+    shutdown_timeout_s: float = 30.0  # on SIGTERM, time for open sessions to finish
+    warmup: bool = True  # decode once before /readyz turns ready
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535]; got {self.port}")
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1; got {self.max_sessions}")
+        if self.max_frame_bytes < 1024:
+            raise ValueError(f"max_frame_bytes must be >= 1024; got {self.max_frame_bytes}")
+        for name in ("max_session_s", "idle_timeout_s", "open_timeout_s", "close_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0; got {self.shutdown_timeout_s}")
+        for name in ("ping_interval_s", "ping_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 or None; got {value}")
+        if self.write_limit_bytes < 1024 or self.max_pending_messages < 1:
+            raise ValueError("write_limit_bytes must be >= 1024 and max_pending_messages >= 1")
+        if self.max_incoming_frames < 1:
+            raise ValueError(f"max_incoming_frames must be >= 1; got {self.max_incoming_frames}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be None (no authentication) or a non-empty string")
+        if (self.tls_cert_path is None) != (self.tls_key_path is None):
+            raise ValueError("tls_cert_path and tls_key_path must be given together")
+        for origin in self.allowed_origins:
+            if origin != "*" and "://" not in origin:
+                raise ValueError(
+                    f"allowed_origins holds scheme://host[:port] or '*'; got {origin!r}"
+                )
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_path is not None

@@ -59,6 +59,7 @@ logger = logging.getLogger("server.session")
 
 Float32Array = npt.NDArray[np.float32]
 SENTENCE_END = (".", "?", "!", "。", "？", "！")
+CLAUSE_END = (",", ";", ":", "，", "；", "：")
 MIN_CUT_WINDOW_S = 2.0  # do not cut windows shorter than this at a sentence end
 MAX_DECODE_FAILURES = 3  # per segment, before its remaining audio is given up with an error
 IDLE_KEEP_S = 1.0  # audio kept while nobody speaks, for the VAD's look-back padding
@@ -428,10 +429,16 @@ class Session:
         self._trim()
 
     def _maybe_cut_at_sentence(self, seg: _Segment) -> None:
-        if not seg.committed or not seg.committed[-1].text.rstrip().endswith(SENTENCE_END):
+        """Cut after a committed sentence end, or a clause end once the window is long: short
+        windows keep every re-decode cheap, and punctuation is where no word straddles."""
+        if not seg.committed:
             return
+        last = seg.committed[-1].text.rstrip()
         at = round(seg.committed[-1].end_s * SAMPLE_RATE_HZ)
-        if (at - seg.window_start) >= MIN_CUT_WINDOW_S * SAMPLE_RATE_HZ:
+        window_s = (at - seg.window_start) / SAMPLE_RATE_HZ
+        if (last.endswith(SENTENCE_END) and window_s >= MIN_CUT_WINDOW_S) or (
+            last.endswith(CLAUSE_END) and window_s >= self.streaming.clause_cut_s
+        ):
             self._cut(seg, at)
 
     def _force_cut(self, seg: _Segment, limit: int) -> None:

@@ -5,11 +5,12 @@ Helpers that are not fixtures live in ``tests/helpers.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import pytest_asyncio
 
 from tests.helpers import ManifestRow, find_speech_dir, read_manifest
 
@@ -41,3 +42,21 @@ def engine() -> Iterator[Engine]:
     eng = Engine.load(EngineConfig())
     eng.warmup()
     yield eng
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="session")
+async def server_url(engine: Engine) -> AsyncIterator[str]:
+    """A real server with the real model, in this process on 127.0.0.1 and a free port.
+
+    Yields its base URL, ``ws://127.0.0.1:PORT`` (the stream is at ``/v1/stream``, the HTTP
+    routes at the same host and port). Ready (model warmed) before the first test uses it.
+    Tests that use it run on the session's event loop:
+    ``pytestmark = pytest.mark.asyncio(loop_scope="session")``.
+    """
+    from server.app import WhisperwireServer
+    from server.config import PipelineConfig, ServerConfig
+
+    config = ServerConfig(host="127.0.0.1", port=0, max_sessions=16)
+    pipeline = PipelineConfig(max_batch_size=8, batch_wait_ms=5.0)
+    async with WhisperwireServer(lambda: engine, server=config, pipeline=pipeline) as server:
+        yield server.url

@@ -1,25 +1,55 @@
-"""Shared test helpers: real-speech lookup, the manifest, clip loading and word error rate."""
+"""Shared test helpers: real-speech lookup, the manifest, clip loading and word error rate;
+for the server tests, a scripted test-double engine and small WebSocket and HTTP clients."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import csv
+import json
 import os
+import threading
 import wave
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import jiwer
 import numpy as np
 import numpy.typing as npt
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 from whisper_normalizer.english import EnglishTextNormalizer
 
 from server.config import SAMPLE_RATE_HZ
+from server.errors import DecodeError
+
+if TYPE_CHECKING:
+    # Only for annotations: importing the engine loads MLX, which most tests do not need.
+    from server.engine.decoder import DecodeResult
+    from server.engine.engine import Window
 
 REPO = Path(__file__).resolve().parents[1]
 SPEECH_ENV = "WHISPERWIRE_SPEECH_DIR"
 
 Float32Array = npt.NDArray[np.float32]
+
+# tiny.en's dimensions, for ``ModelDimensions(**TINY_EN_DIMS)`` (kept plain: no MLX import here).
+TINY_EN_DIMS: dict[str, int] = {
+    "n_mels": 80,
+    "n_audio_ctx": 1500,
+    "n_audio_state": 384,
+    "n_audio_head": 6,
+    "n_audio_layer": 4,
+    "n_vocab": 51864,
+    "n_text_ctx": 448,
+    "n_text_state": 384,
+    "n_text_head": 6,
+    "n_text_layer": 4,
+}
 
 
 @dataclass(frozen=True)
@@ -86,3 +116,164 @@ def wer(reference: str | list[str], hypothesis: str | list[str]) -> float:
     if not pairs:
         raise ValueError("every reference is empty after normalisation")
     return float(jiwer.wer([r for r, _ in pairs], [h if h else "" for _, h in pairs]))
+
+
+# --------------------------------------------------------------------------- server tests
+
+
+class ScriptedDims:
+    """``ModelShape`` of the scripted engine: an English-only model."""
+
+    is_multilingual = False
+
+
+class ScriptedEngine:
+    """A ``SpeechEngine`` test double: no model, instant and deterministic.
+
+    ``features`` returns the audio itself as the "mel". ``decode_windows`` hears one word per
+    half second of window audio, ``" w0"``, ``" w1"``, ... (one token each, 1000 + k), so
+    LocalAgreement commits them as audio grows. ``fail_when(window)`` chooses windows whose
+    batch raises ``DecodeError``. Clear ``release`` to hold the worker inside
+    ``decode_windows`` (``entered`` is set when it gets there). ``batches`` records the
+    ``audio_s`` of every window of every call, in call order.
+    """
+
+    name = "scripted"
+    WORD_S = 0.5
+
+    def __init__(self, fail_when: Callable[[Window], bool] | None = None) -> None:
+        self.dims = ScriptedDims()
+        self.fail_when = fail_when
+        self.batches: list[list[float]] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.release.set()
+        self.warmups = 0
+
+    def encode_text(self, text: str) -> tuple[int, ...]:
+        return tuple(1000 + int(w[1:]) for w in text.split() if w.startswith("w"))
+
+    def features(self, audio: Float32Array) -> Float32Array:
+        return np.array(audio, dtype=np.float32, copy=True)
+
+    def warmup(self) -> float:
+        self.warmups += 1
+        return 0.0
+
+    def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
+        self.batches.append([w.audio_s for w in windows])
+        self.entered.set()
+        self.release.wait()
+        if self.fail_when is not None and any(self.fail_when(w) for w in windows):
+            raise DecodeError("scripted failure")
+        return [self._result(w) for w in windows]
+
+    def _result(self, window: Window) -> DecodeResult:
+        from server.engine.decoder import DecodeResult
+        from server.engine.words import WordTiming
+
+        words = tuple(
+            WordTiming(f" w{k}", (1000 + k,), k * self.WORD_S, k * self.WORD_S + 0.4, 0.9)
+            for k in range(int(window.audio_s / self.WORD_S))
+        )
+        return DecodeResult(
+            tokens=tuple(t for w in words for t in w.tokens),
+            text="".join(w.word for w in words),
+            segments=(),
+            words=words,
+            language="en",
+            avg_logprob=-0.1,
+            no_speech_prob=0.0,
+            compression_ratio=1.0,
+            stop_reason="eot",
+            n_generated=len(words),
+        )
+
+
+def pcm_frames(audio: Float32Array, chunk_s: float = 0.1) -> list[bytes]:
+    """16 kHz float audio as ``pcm_s16le`` frames of ``chunk_s`` seconds."""
+    pcm = (np.clip(audio, -1.0, 32767 / 32768) * 32768).astype("<i2").tobytes()
+    step = int(chunk_s * SAMPLE_RATE_HZ) * 2
+    return [pcm[i : i + step] for i in range(0, len(pcm), step)]
+
+
+@dataclass
+class StreamOutcome:
+    """What one client saw: every server message (parsed JSON) and how the connection ended."""
+
+    messages: list[dict[str, Any]]
+    close_code: int | None
+    close_reason: str | None
+
+    def of_type(self, kind: str) -> list[dict[str, Any]]:
+        return [m for m in self.messages if m["type"] == kind]
+
+    @property
+    def text(self) -> str:
+        return " ".join(m["text"] for m in self.of_type("final"))
+
+
+async def stream_frames(
+    url: str,
+    frames: Sequence[bytes | str],
+    *,
+    end: bool = True,
+    additional_headers: dict[str, str] | None = None,
+) -> StreamOutcome:
+    """Connect, wait for ``ready``, send ``frames`` back to back (no pacing) while reading
+    concurrently, send ``end``, and read until the server closes."""
+    async with connect(url, additional_headers=additional_headers, max_size=None) as ws:
+        messages: list[dict[str, Any]] = [json.loads(await ws.recv())]
+        assert messages[0]["type"] == "ready", messages[0]
+
+        async def read() -> None:
+            # Iteration ends quietly after a 1000/1001 close and raises after any other.
+            with contextlib.suppress(ConnectionClosed):
+                async for raw in ws:
+                    messages.append(json.loads(raw))
+
+        reader = asyncio.create_task(read())
+        try:
+            for frame in frames:
+                await ws.send(frame)
+            if end:
+                await ws.send('{"type": "end"}')
+        except ConnectionClosed:
+            pass  # the server closed first; what it sent is in messages
+        await reader
+        return StreamOutcome(messages, ws.close_code, ws.close_reason)
+
+
+async def http_get(
+    url: str, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """A plain HTTP/1.1 GET over asyncio streams: (status, lower-cased headers, body)."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    reader, writer = await asyncio.open_connection(host, port)
+    lines = [f"GET {path} HTTP/1.1", f"Host: {host}:{port}", "Connection: close"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+    await writer.drain()
+    raw = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    found = {}
+    for line in header_lines:
+        name, _, value = line.partition(":")
+        found[name.strip().lower()] = value.strip()
+    return int(status_line.split()[1]), found, body
+
+
+def metric_value(text: str, sample: str) -> float:
+    """The value of one sample line (``name`` or ``name{labels}``) of a Prometheus text page;
+    0 when absent."""
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

@@ -7,6 +7,7 @@ the clock, see ``bench/simulate.py``), and the finals are held against the offli
 from __future__ import annotations
 
 import csv
+from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,7 +44,7 @@ def _assert_finals_are_append_only(result: SimulationResult) -> None:
     finals = result.finals
     ids = [f.segment_id for f in finals]
     assert ids == list(range(len(ids))), "segment ids must start at 0 and only grow"
-    for a, b in zip(finals, finals[1:], strict=False):
+    for a, b in pairwise(finals):
         assert b.start >= a.start - 1e-6, "finals go forward in stream time"
     for f in finals:
         assert f.text.strip()
@@ -54,10 +55,10 @@ def _assert_finals_are_append_only(result: SimulationResult) -> None:
 def _doubled_at_boundaries(result: SimulationResult, offline: str) -> list[str]:
     """Words repeated across consecutive finals that the offline transcript does not repeat."""
     reference = normalize(offline).split()
-    ref_pairs = {(a, b) for a, b in zip(reference, reference[1:], strict=False)}
+    ref_pairs = {(a, b) for a, b in pairwise(reference)}
     doubled = []
     finals = [normalize(f.text).split() for f in result.finals]
-    for left, right in zip(finals, finals[1:], strict=False):
+    for left, right in pairwise(finals):
         if left and right and left[-1] == right[0] and (left[-1], right[0]) not in ref_pairs:
             doubled.append(left[-1])
     return doubled
@@ -114,7 +115,7 @@ def test_short_clip_gives_partials_then_finals(engine: Engine, speech_dir: Path)
         for e in result.events
         if isinstance(e.message, PartialMessage)
     ]
-    assert all(a != b for a, b in zip(partial_texts, partial_texts[1:], strict=False)), (
+    assert all(a != b for a, b in pairwise(partial_texts)), (
         "identical partials are never sent twice in a row"
     )
     for e in result.events:

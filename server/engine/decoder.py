@@ -150,11 +150,11 @@ def repeated_tail(tokens: list[int], max_ngram: int, min_repeats: int) -> int | 
 class StreamingDecoder:
     """Batched greedy decoding over one model, with caches kept between calls."""
 
-    def __init__(self, model: Whisper, vocab: Vocabulary) -> None:
+    def __init__(self, model: Whisper, vocab: Vocabulary, dtype: mx.Dtype) -> None:
         self.model = model
         self.vocab = vocab
         self.dims = model.dims
-        self._dtype = model.decoder.token_embedding.weight.dtype
+        self.dtype = dtype  # activations; weights may be quantized integers
         self._caches: list[tuple[mx.array, mx.array]] = []
         self._cache_batch = 0
 
@@ -164,7 +164,7 @@ class StreamingDecoder:
         if batch > self._cache_batch:
             shape = (batch, self.dims.n_text_ctx, self.dims.n_text_state)
             self._caches = [
-                (mx.zeros(shape, dtype=self._dtype), mx.zeros(shape, dtype=self._dtype))
+                (mx.zeros(shape, dtype=self.dtype), mx.zeros(shape, dtype=self.dtype))
                 for _ in range(self.dims.n_text_layer)
             ]
             mx.eval(self._caches)
@@ -207,8 +207,8 @@ class StreamingDecoder:
             pad = np.zeros((len(requests), 1, 1, longest), dtype=np.float32)
             for i, n in enumerate(lengths):
                 pad[i, 0, 0, n:] = NEG_INF
-            mask = mx.array(pad).astype(self._dtype)
-        return self.model.decoder.cross_kv(audio.astype(self._dtype)), mask, lengths
+            mask = mx.array(pad).astype(self.dtype)
+        return self.model.decoder.cross_kv(audio.astype(self.dtype)), mask, lengths
 
     # -- language ----------------------------------------------------------------------
     def detect_language(self, requests: list[DecodeRequest]) -> list[tuple[str, float]]:
@@ -225,7 +225,7 @@ class StreamingDecoder:
             mx.zeros((b, 1), dtype=mx.int32),
             0,
             caches,
-            mx.zeros((b, 1, 1, 1), dtype=self._dtype),
+            mx.zeros((b, 1, 1, 1), dtype=self.dtype),
             cross,
             cross_mask,
         )
@@ -309,7 +309,7 @@ class StreamingDecoder:
             pos_np[i, p:] = np.arange(len(s))
             allowed = (k_idx <= q_idx) & ((k_idx >= p) | (k_idx == q_idx))
             mask_np[i, 0][allowed] = 0.0
-        dt = self._dtype
+        dt = self.dtype
         # The no-speech probability is read at <|startoftranscript|>; with a prompt that is
         # not the last prefill position, so prefill up to it first when needed.
         no_speech = np.zeros(b, dtype=np.float64)
@@ -418,7 +418,7 @@ class StreamingDecoder:
         no_speech: npt.NDArray[np.float64],
     ) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
         dec = self.model.decoder
-        dt = self._dtype
+        dt = self.dtype
         x = dec.token_embedding(mx.array(tok_np)) + dec.positional_embedding[mx.array(pos_np)]
         mask = mx.array(mask_np).astype(dt)
         new_caches = []
@@ -597,9 +597,7 @@ class StreamingDecoder:
         dec = self.model.decoder
         t = len(seq)
         x = dec.token_embedding(mx.array([seq])) + dec.positional_embedding[:t]
-        causal = mx.array(np.triu(np.full((t, t), NEG_INF, dtype=np.float32), 1)).astype(
-            self._dtype
-        )
+        causal = mx.array(np.triu(np.full((t, t), NEG_INF, dtype=np.float32), 1)).astype(self.dtype)
         wanted_layers = {layer for layer, _ in heads}
         weights_per_layer: dict[int, mx.array] = {}
         last_layer = max(wanted_layers)

@@ -83,7 +83,7 @@ class Engine:
             self.dims.is_multilingual, num_languages=self.dims.num_languages
         )
         self.vocab = Vocabulary.from_tokenizer(tok, self.dims.is_multilingual)
-        self.decoder = StreamingDecoder(model, self.vocab)
+        self.decoder = StreamingDecoder(model, self.vocab, getattr(mx, loaded.dtype))
         self.decoder.set_alignment_heads(loaded.alignment_heads)
 
     @classmethod
@@ -136,7 +136,7 @@ class Engine:
         groups: dict[int, list[int]] = {}
         for i, m in enumerate(mels):
             groups.setdefault(int(m.shape[0]), []).append(i)
-        dtype = self.decoder._dtype
+        dtype = self.decoder.dtype
         for _, idx in sorted(groups.items()):
             batch = mx.array(np.stack([mels[i] for i in idx])).astype(dtype)
             feats = self.loaded.model.encoder(batch)

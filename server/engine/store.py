@@ -219,7 +219,9 @@ def _load_mlx_folder(folder: Path, name: str, dtype: str, started: float) -> Loa
             )
     model.load_weights([(k, v.astype(target)) for k, v in weights.items()])
     model.encoder._positional_embedding = model.encoder._positional_embedding.astype(target)
-    mx.eval(model.parameters())
+    # _positional_embedding is not a parameter: left lazy, its graph stays bound to this
+    # thread's MLX stream and fails on the decode thread ("no Stream(cpu, 0) in current thread").
+    mx.eval(model.parameters(), model.encoder._positional_embedding)
     return LoadedModel(
         name=name,
         model=model,

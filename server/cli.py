@@ -1,0 +1,228 @@
+"""``whisperwire-server``: flags -> config dataclasses -> the app.
+
+    whisperwire-server [--host 127.0.0.1] [--port 8765] [--model tiny.en] [--dtype float32]
+                       [--quantize-bits 4|8] [--min-context-s 10] [--max-batch-size 8]
+                       [--batch-wait-ms 5] [--max-sessions 32] [--max-session-s 14400]
+                       [--idle-timeout-s 30] [--api-key KEY] [--allowed-origin URL ...]
+                       [--tls-cert PEM --tls-key PEM] [--log-level info]
+
+Exit status: 0 after a clean shutdown (SIGINT or SIGTERM); 2 for bad flags, a model that
+cannot be loaded, unreadable TLS files or an address already in use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import logging
+import os
+import ssl
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+from .config import PipelineConfig, ServerConfig
+from .engine.store import DEFAULT_MODEL, available_models
+from .errors import ModelError
+
+logger = logging.getLogger("server.cli")
+
+API_KEY_ENV = "WHISPERWIRE_API_KEY"
+EXIT_OK = 0
+EXIT_USAGE = 2  # argparse's status for bad flags; also a model, TLS file or port we cannot use
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_LISTEN_ERRNOS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
+
+
+class _SessionIdDefault(logging.Filter):
+    """Records from a session's LoggerAdapter carry ``session_id``; give the others a dash so
+    one format string fits every record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "session_id"):
+            record.session_id = "-"
+        return True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; defaults come from the config dataclasses."""
+    s = ServerConfig()
+    p = PipelineConfig()
+    parser = argparse.ArgumentParser(
+        prog="whisperwire-server",
+        description="Real-time streaming speech transcription over WebSocket (Whisper on MLX).",
+    )
+    net = parser.add_argument_group("network")
+    net.add_argument("--host", default=s.host, help="address to listen on (default %(default)s)")
+    net.add_argument("--port", type=int, default=s.port, help="port (default %(default)s; 0: any)")
+    net.add_argument(
+        "--tls-cert", metavar="PEM", help="certificate chain; serves wss:// with --tls-key"
+    )
+    net.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")
+
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"registry name ({', '.join(available_models())}) or a model folder "
+        "(default %(default)s)",
+    )
+    model.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        help="weights' dtype (default: float16 on a GPU, float32 on CPU)",
+    )
+    model.add_argument("--quantize-bits", type=int, choices=(4, 8), help="quantize linear layers")
+    model.add_argument(
+        "--min-context-s",
+        type=float,
+        default=10.0,
+        help="shortest audio context encoded, seconds (default %(default)s)",
+    )
+
+    batching = parser.add_argument_group("batching")
+    batching.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=p.max_batch_size,
+        help="windows decoded together (default %(default)s)",
+    )
+    batching.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=p.batch_wait_ms,
+        help="how long a ready window waits for others to batch with (default %(default)s)",
+    )
+
+    limits = parser.add_argument_group("limits and security")
+    limits.add_argument(
+        "--max-sessions",
+        type=int,
+        default=s.max_sessions,
+        help="concurrent streams; more are refused with 1013 (default %(default)s)",
+    )
+    limits.add_argument(
+        "--max-session-s",
+        type=float,
+        default=s.max_session_s,
+        help="longest session, wall-clock or audio seconds (default %(default)s)",
+    )
+    limits.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=s.idle_timeout_s,
+        help="finish a session that sends nothing for this long (default %(default)s)",
+    )
+    limits.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require this key (Bearer header or ?token=); default ${API_KEY_ENV}",
+    )
+    limits.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a browser Origin allowed besides the server's own page (repeatable; '*': any)",
+    )
+    parser.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="info", help="(default %(default)s)"
+    )
+    return parser
+
+
+def _configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_SessionIdDefault())
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(session_id)s] %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # websockets logs every refused handshake at INFO; keep its chatter at WARNING.
+    logging.getLogger("websockets").setLevel(max(logging.WARNING, root.level))
+
+
+def _fail(message: str) -> int:
+    sys.stderr.write(f"whisperwire-server: {message}\n")
+    sys.stderr.flush()
+    return EXIT_USAGE
+
+
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    """Run under uvloop when it is installed (a faster event loop), else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the server until SIGINT or SIGTERM; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        server = ServerConfig(
+            host=args.host,
+            port=args.port,
+            max_sessions=args.max_sessions,
+            max_session_s=args.max_session_s,
+            idle_timeout_s=args.idle_timeout_s,
+            api_key=args.api_key,
+            allowed_origins=tuple(args.allowed_origin),
+            tls_cert_path=args.tls_cert,
+            tls_key_path=args.tls_key,
+        )
+        pipeline = PipelineConfig(
+            max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms
+        )
+        from .engine.engine import EngineConfig
+
+        engine_config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            quantize_bits=args.quantize_bits,
+            min_context_s=args.min_context_s,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))  # exits with status 2
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path is not None and not os.access(path, os.R_OK):
+            return _fail(f"cannot read {flag} {path}: no such file or no permission")
+    _configure_logging(args.log_level)
+
+    # Imported here: the engine pulls in MLX, which --help does not need.
+    from .app import run_server
+    from .engine.blas import check_blas
+    from .engine.engine import Engine
+
+    def load_engine() -> Engine:
+        # Runs on the decode thread, which owns MLX from here on.
+        check_blas()
+        return Engine.load(engine_config)
+
+    try:
+        _run(run_server(load_engine, server=server, pipeline=pipeline))
+    except ModelError as exc:
+        return _fail(
+            f"cannot load model: {exc}. Fix: pass --model with a registry name or a folder "
+            "holding an MLX or CTranslate2 Whisper model"
+        )
+    except ssl.SSLError as exc:
+        return _fail(f"cannot use --tls-cert/--tls-key: {exc}")
+    except OSError as exc:
+        if exc.errno in _LISTEN_ERRNOS:
+            return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+        raise
+    except KeyboardInterrupt:
+        # A second Ctrl-C while shutting down: leave without waiting for the sessions.
+        return 130
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

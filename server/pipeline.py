@@ -1,0 +1,533 @@
+"""The stages between a client's frames and its text: ingest, features, decode.
+
+    ingest (one task per connection, app.py)       frames -> Session -> DecodeJob
+      -> features (ThreadPoolExecutor, NumPy)      job.audio -> log-mel Window
+      -> scheduler (asyncio task, bounded heap)    stalest windows first, batched
+      -> decode worker (one thread, owns MLX)      Engine.decode_windows(batch)
+      -> back on the loop (call_soon_threadsafe)   Session.receive_result -> messages
+
+``Pipeline`` is shared by all connections: it owns the engine, the feature threads, the
+scheduler and the decode worker. ``StreamDriver`` belongs to one connection: it takes the
+session's next job, sends it through the pipeline, folds the result back into the session and
+queues the session's messages in a bounded outbox for the connection to send.
+
+Back-pressure and bounds: a session has at most one job in flight, the scheduler's queue holds
+at most ``PipelineConfig.max_queued_windows`` windows (``enqueue`` waits for a free slot), and
+a connection's outbox holds at most ``max_pending_messages`` messages (more means the client
+does not read; the driver reports ``DriverOutcome.OVERFLOW`` and the connection drops it).
+
+The event loop never waits on MLX: it only waits on futures the decode worker settles through
+``loop.call_soon_threadsafe``. Nothing sleeps to poll; shutdown (``Pipeline.close``) is awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from .config import PipelineConfig
+from .engine.decoder import DecodeResult
+from .engine.engine import Window
+from .errors import DecodeError
+from .messages import EndMessage, ErrorMessage, ServerMessage
+from .metrics import Metrics
+from .session import DecodeJob, Session
+
+logger = logging.getLogger("server.pipeline")
+
+Float32Array = npt.NDArray[np.float32]
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------- the engine seam
+
+
+class ModelShape(Protocol):
+    """What the server needs to know about the model's dimensions."""
+
+    @property
+    def is_multilingual(self) -> bool: ...
+
+
+class SpeechEngine(Protocol):
+    """The engine as the pipeline uses it; ``server.engine.engine.Engine`` is the real one.
+
+    ``features`` must be safe to call from several threads at once (it runs in the feature
+    pool); everything else is called only from the decode worker thread, except ``name``,
+    ``dims`` and ``encode_text`` (the session's tokenizer), which must not touch MLX.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dims(self) -> ModelShape: ...
+
+    def encode_text(self, text: str) -> tuple[int, ...]: ...
+
+    def features(self, audio: Float32Array) -> Float32Array: ...
+
+    def decode_windows(self, windows: list[Window]) -> list[DecodeResult]: ...
+
+    def warmup(self) -> float: ...
+
+
+# --------------------------------------------------------------------------- decode worker
+
+
+@dataclass(eq=False)
+class _Call(Generic[T]):
+    fn: Callable[[], T]
+    future: asyncio.Future[T]
+
+
+def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    # Runs on the loop. The awaiting coroutine may have been cancelled meanwhile.
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+class DecodeWorker:
+    """The one thread that runs MLX. ``call`` hands it a function and awaits the result.
+
+    MLX is not thread-safe, so the model is loaded, warmed up and run on this thread only.
+    The thread blocks on its inbox between calls (no polling) and posts each outcome back to
+    the event loop with ``call_soon_threadsafe``.
+    """
+
+    def __init__(self, name: str = "whisperwire-decode") -> None:
+        self._inbox: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        """Start the thread; call from the event loop that will await ``call``."""
+        if self._loop is not None:
+            raise RuntimeError("the decode worker was already started")
+        self._loop = asyncio.get_running_loop()
+        self._stopped = self._loop.create_future()
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` on the worker thread; its exception, if any, is raised here."""
+        if self._loop is None or self._stopped is None or self._stopped.done():
+            raise RuntimeError("the decode worker is not running")
+        future: asyncio.Future[T] = self._loop.create_future()
+        self._inbox.put(_Call(fn, future))
+        return await future
+
+    async def stop(self) -> None:
+        """Let the thread finish its current call, then end it; awaits the thread's exit."""
+        if self._loop is None or self._stopped is None:
+            return
+        self._inbox.put(None)
+        await asyncio.shield(self._stopped)
+        self._thread.join()  # the thread has posted its last callback; this returns at once
+
+    def _post(self, future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(_settle, future, value, error)
+        except RuntimeError:
+            # The loop is closed: nobody is left to hear about this call.
+            logger.debug("decode worker result dropped: event loop closed")
+
+    def _run(self) -> None:
+        assert self._stopped is not None
+        try:
+            while (call := self._inbox.get()) is not None:
+                try:
+                    value = call.fn()
+                except Exception as exc:  # handed to the awaiting coroutine, which decides
+                    self._post(call.future, None, exc)
+                else:
+                    self._post(call.future, value, None)
+                del call  # drop references to windows and results before sleeping
+        finally:
+            self._post(self._stopped, None, None)
+
+
+# --------------------------------------------------------------------------- pipeline
+
+
+@dataclass(eq=False)
+class _Request:
+    job: DecodeJob
+    window: Window
+    future: asyncio.Future[DecodeResult]
+    queued_at: float  # loop.time() when it entered the queue
+    queued: bool = True  # still in the heap
+
+
+_Outcome = DecodeResult | Exception
+
+
+class Pipeline:
+    """Features, batching scheduler and decode worker, shared by every connection.
+
+    Life cycle: ``await start(load_engine)`` (loads and warms the model on the decode thread),
+    then any number of ``decode`` calls, then ``await close()``.
+    """
+
+    def __init__(
+        self, config: PipelineConfig | None = None, *, metrics: Metrics | None = None
+    ) -> None:
+        self.config = config or PipelineConfig()
+        self.metrics = metrics or Metrics()
+        self._engine: SpeechEngine | None = None
+        self._worker = DecodeWorker()
+        self._features_pool = ThreadPoolExecutor(
+            max_workers=self.config.feature_workers, thread_name_prefix="whisperwire-features"
+        )
+        # (job.created_at, sequence, request): the stalest window is at the top.
+        self._heap: list[tuple[float, int, _Request]] = []
+        self._sequence = itertools.count()
+        self._slots = asyncio.Semaphore(self.config.max_queued_windows)
+        self._changed = asyncio.Event()
+        self._scheduler: asyncio.Task[None] | None = None
+        self._in_flight: list[_Request] = []
+        self._closed = False
+
+    # -- life cycle ------------------------------------------------------------------------
+    async def start(
+        self, load_engine: Callable[[], SpeechEngine], *, warmup: bool = True
+    ) -> SpeechEngine:
+        """Load the engine on the decode thread, warm it up there, and start scheduling.
+
+        Raises whatever ``load_engine`` raises (``ModelError`` for a model that cannot be
+        loaded); call ``close`` afterwards either way.
+        """
+        if self._closed:
+            raise RuntimeError("the pipeline is closed")
+        self._worker.start()
+        engine = await self._worker.call(load_engine)
+        if warmup:
+            seconds = await self._worker.call(engine.warmup)
+            logger.info("warmed up %s in %.2f s", engine.name, seconds)
+        self._engine = engine
+        self._scheduler = asyncio.create_task(self._schedule(), name="whisperwire-scheduler")
+        self.metrics.ready.set(1)
+        return engine
+
+    @property
+    def ready(self) -> bool:
+        """True once the engine is loaded and warmed up, until ``close``."""
+        return self._engine is not None and not self._closed
+
+    @property
+    def engine(self) -> SpeechEngine:
+        if self._engine is None:
+            raise RuntimeError("the pipeline has no engine yet; await start() first")
+        return self._engine
+
+    @property
+    def queued(self) -> int:
+        """Windows waiting for the decode worker."""
+        return len(self._heap)
+
+    async def close(self) -> None:
+        """Stop scheduling, fail what is still queued, and end the worker thread (awaited)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.metrics.ready.set(0)
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            await asyncio.wait({self._scheduler})
+        stranded = [r for _, _, r in self._heap] + self._in_flight
+        self._heap.clear()
+        self._in_flight = []
+        for request in stranded:
+            request.queued = False
+            _settle(request.future, None, DecodeError("the server is shutting down"))
+        self.metrics.queue_depth.set(0)
+        await self._worker.stop()
+        # Nothing is queued on the pool any more: every caller awaited its features.
+        self._features_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- stages ----------------------------------------------------------------------------
+    async def features(self, job: DecodeJob) -> Window:
+        """Stage 2: the job's log-mel, computed in the feature thread pool."""
+        engine = self.engine
+        loop = asyncio.get_running_loop()
+        mel = await loop.run_in_executor(self._features_pool, engine.features, job.audio)
+        return Window(mel, job.audio_s, job.options, job.prompt, job.prefix)
+
+    async def enqueue(self, job: DecodeJob, window: Window) -> asyncio.Future[DecodeResult]:
+        """Stage 3: queue a window for the decode worker; waits while the queue is full.
+
+        Returns the future of its result. Cancelling that future takes the window out of the
+        queue if it is still waiting.
+        """
+        if self._closed or self._engine is None:
+            raise RuntimeError("the pipeline is not running")
+        await self._slots.acquire()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[DecodeResult] = loop.create_future()
+        request = _Request(job, window, future, loop.time())
+        future.add_done_callback(functools.partial(self._forget, request))
+        heapq.heappush(self._heap, (job.created_at, next(self._sequence), request))
+        self.metrics.queue_depth.set(len(self._heap))
+        self._changed.set()
+        return future
+
+    async def decode(self, job: DecodeJob) -> DecodeResult:
+        """Features, then queue, then the batched decode; raises ``DecodeError`` on failure."""
+        window = await self.features(job)
+        future = await self.enqueue(job, window)
+        return await future
+
+    # -- scheduling ------------------------------------------------------------------------
+    def _forget(self, request: _Request, future: asyncio.Future[DecodeResult]) -> None:
+        # A cancelled request (its client left) gives its queue slot back.
+        if request.queued and future.cancelled():
+            self._heap = [entry for entry in self._heap if entry[2] is not request]
+            heapq.heapify(self._heap)
+            request.queued = False
+            self._slots.release()
+            self.metrics.queue_depth.set(len(self._heap))
+
+    def _take_batch(self) -> list[_Request]:
+        batch: list[_Request] = []
+        while self._heap and len(batch) < self.config.max_batch_size:
+            request = heapq.heappop(self._heap)[2]
+            request.queued = False
+            self._slots.release()
+            batch.append(request)
+        self.metrics.queue_depth.set(len(self._heap))
+        return batch
+
+    async def _schedule(self) -> None:
+        loop = asyncio.get_running_loop()
+        wait_s = self.config.batch_wait_ms / 1000.0
+        engine = self.engine
+        worker_free_at = loop.time()
+        while True:
+            while not self._heap:
+                self._changed.clear()
+                await self._changed.wait()
+            # Windows arriving within batch_wait_ms of the oldest waiting one join its batch.
+            # The wait also runs from the moment the worker became free: the sessions it just
+            # served are about to queue their next windows (a result, then features), and
+            # without it streams that take turns would never share a batch.
+            oldest = min(r.queued_at for _, _, r in self._heap)
+            deadline = max(oldest, worker_free_at) + wait_s
+            while len(self._heap) < self.config.max_batch_size:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            batch = self._take_batch()
+            if not batch:
+                continue
+            self._in_flight = batch
+            windows = [r.window for r in batch]
+            try:
+                outcomes, elapsed_s = await self._worker.call(
+                    functools.partial(_decode_batch, engine, windows)
+                )
+            except Exception as exc:
+                # _decode_batch catches engine errors itself; this is a bug in the worker
+                # plumbing. Fail this batch, keep the scheduler alive for everyone else.
+                logger.error("decode worker call failed", exc_info=True)
+                outcomes, elapsed_s = [exc] * len(batch), 0.0
+            self._in_flight = []
+            worker_free_at = loop.time()
+            self.metrics.observe_batch(len(batch), elapsed_s, sum(w.audio_s for w in windows))
+            for request, outcome in zip(batch, outcomes, strict=True):
+                if isinstance(outcome, Exception):
+                    _settle(request.future, None, outcome)
+                else:
+                    _settle(request.future, outcome, None)
+
+
+def _as_decode_error(exc: Exception) -> DecodeError:
+    if isinstance(exc, DecodeError):
+        return exc
+    error = DecodeError(f"{type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def _decode_batch(engine: SpeechEngine, windows: list[Window]) -> tuple[list[_Outcome], float]:
+    """Runs on the decode worker thread. One outcome per window: a result or the error."""
+    started = time.perf_counter()
+    outcomes: list[_Outcome]
+    try:
+        results = engine.decode_windows(windows)
+        if len(results) != len(windows):
+            raise DecodeError(f"engine returned {len(results)} results for {len(windows)} windows")
+        outcomes = list(results)
+    except Exception as exc:
+        # Any engine failure, not only DecodeError: a bug triggered by one window must fail
+        # that window's job, not the worker and not the other sessions in the batch.
+        logger.warning("decode of a batch of %d failed: %s", len(windows), exc, exc_info=True)
+        if len(windows) == 1:
+            outcomes = [_as_decode_error(exc)]
+        else:
+            outcomes = [_decode_alone(engine, w) for w in windows]
+    return outcomes, time.perf_counter() - started
+
+
+def _decode_alone(engine: SpeechEngine, window: Window) -> _Outcome:
+    try:
+        results = engine.decode_windows([window])
+        if len(results) != 1:
+            raise DecodeError(f"engine returned {len(results)} results for 1 window")
+        return results[0]
+    except Exception as exc:  # isolated to this window; see _decode_batch
+        logger.warning("decode of one window failed: %s", exc)
+        return _as_decode_error(exc)
+
+
+# --------------------------------------------------------------------------- one stream
+
+
+class DriverOutcome(enum.Enum):
+    """How a stream's driver finished (``StreamDriver.outcome``)."""
+
+    DONE = "done"  # the session emitted ``done``: every word is final
+    OVERFLOW = "overflow"  # the outbox was full: the client does not read its messages
+
+
+class StreamDriver:
+    """Moves one session's jobs through the pipeline and its messages to a bounded outbox.
+
+    The connection feeds ``receive_audio`` / ``receive_text`` (they raise the session's
+    ``StreamError``), sends what appears in ``outbox``, and awaits ``outcome``: it resolves
+    to a ``DriverOutcome``, or holds the exception of a bug in the session (the connection
+    then closes with 1011). Runs on the event loop; not thread-safe.
+    """
+
+    def __init__(
+        self, session: Session, pipeline: Pipeline, *, max_pending_messages: int = 512
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self.session = session
+        self.pipeline = pipeline
+        self.outbox: asyncio.Queue[ServerMessage] = asyncio.Queue(maxsize=max_pending_messages)
+        self.outcome: asyncio.Future[DriverOutcome] = loop.create_future()
+        self.log = logging.LoggerAdapter(logger, {"session_id": session.session_id})
+        self._decoding: asyncio.Task[None] | None = None
+        self._closed = False
+        self._overflowed = False
+
+    # -- input -----------------------------------------------------------------------------
+    def receive_audio(self, data: bytes) -> None:
+        """One binary frame. Raises the session's ``StreamError`` for bad audio."""
+        try:
+            self.session.receive_audio(data)
+        finally:
+            self._advance()
+
+    def receive_text(self, text: str) -> None:
+        """One text frame. Raises the session's ``StreamError`` for a bad message."""
+        try:
+            self.session.receive_text(text)
+        finally:
+            self._advance()
+
+    def end(self) -> None:
+        """Finish the stream as if the client had sent ``end`` (shutdown, limits)."""
+        if not self.session.ended:
+            self.session.receive_text(EndMessage().to_json())
+        self._advance()
+
+    def send(self, message: ServerMessage) -> None:
+        """Queue a message of the connection's own (``ready``, an ``error``) after the
+        session's pending ones."""
+        self._flush()
+        self._put(message)
+
+    async def close(self) -> None:
+        """Abandon the stream (the client is gone or the connection is closing): cancel the
+        decode in flight and stop producing messages."""
+        self._closed = True
+        task = self._decoding
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+
+    # -- the job loop ----------------------------------------------------------------------
+    def _advance(self) -> None:
+        if self._closed:
+            return
+        self._flush()
+        if self._decoding is None:
+            job = self.session.next_job()
+            if job is not None:
+                self._decoding = asyncio.create_task(
+                    self._decode(job), name=f"decode-{self.session.session_id}-{job.job_id}"
+                )
+        if self.session.done:
+            self._finish(DriverOutcome.DONE)
+
+    async def _decode(self, job: DecodeJob) -> None:
+        try:
+            try:
+                result = await self.pipeline.decode(job)
+            except Exception as exc:
+                # DecodeError, or anything else the engine raised: this job fails, the
+                # session reports it to its client and goes on.
+                self.log.warning("decode of job %d failed: %s", job.job_id, exc)
+                self.session.receive_failure(job, exc)
+            else:
+                self.session.receive_result(job, result)
+            self._decoding = None
+            self._advance()
+        except Exception as exc:
+            # A bug in the session: hand it to the connection, whose catch-all logs it and
+            # closes with 1011. Other sessions are not affected.
+            self._decoding = None
+            if not self.outcome.done():
+                self.outcome.set_exception(exc)
+
+    # -- output ----------------------------------------------------------------------------
+    def _flush(self) -> None:
+        for message in self.session.events_to_send():
+            self._put(message)
+
+    def _put(self, message: ServerMessage) -> None:
+        if self._overflowed:
+            return  # the client is being dropped; nothing more is queued for it
+        if isinstance(message, ErrorMessage):
+            self.pipeline.metrics.errors.inc(1, message.code)
+        try:
+            self.outbox.put_nowait(message)
+        except asyncio.QueueFull:
+            self.log.warning(
+                "client is not reading: %d messages pending; dropping it", self.outbox.qsize()
+            )
+            self._overflowed = True
+            self._finish(DriverOutcome.OVERFLOW)
+
+    def _finish(self, outcome: DriverOutcome) -> None:
+        if not self.outcome.done():
+            self.outcome.set_result(outcome)

@@ -1,0 +1,218 @@
+"""The decoder's pure helpers (loop detection, compression ratio, DTW, median filter) and
+its loop guards on a real decode that loops."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from server.config import SAMPLE_RATE_HZ
+from server.engine.decoder import compression_ratio, repeated_tail
+from server.engine.engine import Engine, Window
+from server.engine.options import DecodeOptions
+from server.engine.words import align_words, dtw, median_filter
+from tests.helpers import load_clip
+
+LOOP_CLIP = "pocketsphinx_testdata/goforward.wav"  # "go forward ten meters", 2.8 s
+
+
+# --- repeated_tail -----------------------------------------------------------------------------
+
+
+def test_no_repeat_is_none() -> None:
+    assert repeated_tail(list(range(40)), 12, 3) is None
+    assert repeated_tail([], 12, 3) is None
+
+
+def test_single_token_loop_keeps_the_first_occurrence() -> None:
+    tokens = [5, 6, *[1] * 8]
+    assert repeated_tail(tokens, 12, 3) == 3  # [5, 6, 1] survives
+
+
+def test_short_ngrams_need_more_repeats() -> None:
+    # "no, no, no" is speech: a 1-gram needs 8 copies, a 2-gram 4, a 3-gram 3.
+    assert repeated_tail([9, *[1] * 7], 12, 3) is None
+    assert repeated_tail([9, *[1, 2] * 3], 12, 3) is None
+    assert repeated_tail([9, *[1, 2] * 4], 12, 3) == 3
+    assert repeated_tail([9, *[1, 2, 3] * 3], 12, 3) == 4
+
+
+def test_all_repeats_are_walked_back_to_the_first() -> None:
+    assert repeated_tail([7, *[1, 2, 3, 4] * 6], 12, 3) == 5
+
+
+def test_ngram_length_and_repeat_count_limits() -> None:
+    gram = list(range(100, 113))  # 13 tokens
+    assert repeated_tail(gram * 3, 12, 3) is None
+    assert repeated_tail(gram * 3, 13, 3) == 13
+    five = [1, 2, 3, 4, 5]
+    assert repeated_tail(five * 3, 12, 4) is None
+    assert repeated_tail(five * 4, 12, 4) == 5
+
+
+def test_a_repeat_that_is_not_at_the_tail_is_not_cut() -> None:
+    assert repeated_tail([*[1, 2, 3] * 4, 4, 5, 6, 7], 12, 3) is None
+
+
+# --- compression_ratio -------------------------------------------------------------------------
+
+
+def test_compression_ratio() -> None:
+    assert compression_ratio("") == 0.0
+    text = "He could wait no longer."
+    assert compression_ratio(text) == len(text) / len(zlib.compress(text.encode()))
+    assert compression_ratio(text) < 2.4
+    assert compression_ratio(" go far," * 30) > 2.4  # what a loop looks like
+    assert compression_ratio("ünïcödé " * 3) > 0
+
+
+# --- dtw ---------------------------------------------------------------------------------------
+
+
+def _steps_ok(tokens: np.ndarray, frames: np.ndarray, n: int, m: int) -> None:
+    assert (tokens[0], frames[0]) == (0, 0)
+    assert (tokens[-1], frames[-1]) == (n - 1, m - 1)
+    dt, df = np.diff(tokens), np.diff(frames)
+    assert set(dt) <= {0, 1} and set(df) <= {0, 1}
+    assert ((dt + df) >= 1).all()  # every step moves
+
+
+def _naive_dtw_cost(cost: np.ndarray) -> float:
+    n, m = cost.shape
+    acc = np.full((n + 1, m + 1), np.inf)
+    acc[0, 0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, m + 1):
+            acc[i, j] = cost[i - 1, j - 1] + min(acc[i - 1, j - 1], acc[i - 1, j], acc[i, j - 1])
+    return float(acc[n, m])
+
+
+def test_dtw_follows_a_diagonal() -> None:
+    cost = np.ones((6, 6), dtype=np.float32)
+    np.fill_diagonal(cost, 0.0)
+    tokens, frames = dtw(cost)
+    np.testing.assert_array_equal(tokens, np.arange(6))
+    np.testing.assert_array_equal(frames, np.arange(6))
+
+
+def test_dtw_follows_a_staircase() -> None:
+    # Token i is cheap on frames 3i .. 3i+2: each token holds three frames.
+    cost = np.ones((4, 12), dtype=np.float32)
+    for i in range(4):
+        cost[i, 3 * i : 3 * i + 3] = 0.0
+    tokens, frames = dtw(cost)
+    _steps_ok(tokens, frames, 4, 12)
+    np.testing.assert_array_equal(tokens, np.repeat(np.arange(4), 3))
+    np.testing.assert_array_equal(frames, np.arange(12))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (7, 1), (5, 9), (9, 5), (12, 30)])
+def test_dtw_path_is_optimal_on_random_costs(shape: tuple[int, int]) -> None:
+    rng = np.random.default_rng(sum(shape))
+    cost = rng.random(shape).astype(np.float32)
+    tokens, frames = dtw(cost)
+    _steps_ok(tokens, frames, *shape)
+    path_cost = float(cost[tokens, frames].astype(np.float64).sum())
+    assert path_cost == pytest.approx(_naive_dtw_cost(cost.astype(np.float64)), rel=1e-9)
+
+
+# --- median_filter -----------------------------------------------------------------------------
+
+
+def test_median_filter_reflects_at_the_edges() -> None:
+    x = np.array([1, 9, 2, 8, 3], dtype=np.float32)
+    # reflect padding gives [9, 1, 9, 2, 8, 3, 8]
+    np.testing.assert_array_equal(median_filter(x, 3), [9, 2, 8, 3, 8])
+
+
+def test_median_filter_removes_a_spike_along_the_last_axis() -> None:
+    x = np.zeros((2, 3, 20), dtype=np.float32)
+    x[1, 2, 10] = 50.0
+    out = median_filter(x, 7)
+    assert out.shape == x.shape and out.dtype == np.float32
+    assert not out.any()
+    ramp = np.arange(20, dtype=np.float32)[None, :]
+    np.testing.assert_array_equal(median_filter(ramp, 7)[:, 3:-3], ramp[:, 3:-3])
+
+
+def test_median_filter_leaves_too_short_rows_alone() -> None:
+    x = np.array([[3.0, 1.0, 2.0]], dtype=np.float32)
+    np.testing.assert_array_equal(median_filter(x, 7), x)
+
+
+# --- align_words -------------------------------------------------------------------------------
+
+
+def test_align_words_on_attention_that_walks_the_audio() -> None:
+    # 3 words of 1, 2 and 1 tokens (+ end-of-text) over 40 audio positions (0.8 s):
+    # token k attends to positions 8k .. 8k+7.
+    weights = np.zeros((2, 5, 40), dtype=np.float32)
+    for k in range(5):
+        weights[:, k, 8 * k : 8 * k + 8] = 1.0
+    words = [(" a", [1]), (" bc", [2, 3]), (" d", [4])]
+    out = align_words(weights, words, [0.9, 0.8, 0.6, 0.5], n_frames=40)
+    assert [w.word for w in out] == [" a", " bc", " d"]
+    assert [w.tokens for w in out] == [(1,), (2, 3), (4,)]
+    assert [w.probability for w in out] == pytest.approx([0.9, 0.7, 0.5])
+    starts = [w.start_s for w in out]
+    assert starts == sorted(starts) and starts[0] == 0.0
+    for prev, cur in itertools.pairwise(out):
+        assert prev.end_s <= cur.start_s + 1e-9
+    assert out[1].end_s - out[1].start_s > out[0].end_s - out[0].start_s  # two tokens, longer
+    assert all(w.end_s <= 0.8 for w in out)
+
+
+# --- a decode that loops -----------------------------------------------------------------------
+
+
+def _one_second_context(engine: Engine, speech_dir: Path) -> tuple[np.ndarray, float]:
+    # One second of audio in a one-second encoder context: far below the ~4 s where tiny.en
+    # starts to repeat itself instead of emitting end-of-text.
+    audio = load_clip(speech_dir / LOOP_CLIP)[:SAMPLE_RATE_HZ]
+    return engine.features(audio, frames=100), 1.0
+
+
+def test_a_looping_decode_is_cut_by_the_repetition_guard(engine: Engine, speech_dir: Path) -> None:
+    mel, audio_s = _one_second_context(engine, speech_dir)
+    options = DecodeOptions(timestamps=False, word_timestamps=False)
+    result = engine.decode_windows([Window(mel, audio_s, options)])[0]
+    assert result.stop_reason == "repetition"
+    assert result.text.strip()
+    assert repeated_tail(list(result.tokens), 12, 2) is None  # not even two copies left
+    assert len(result.tokens) < result.n_generated  # the repeats were dropped
+    assert result.n_generated < 8 + options.max_tokens_per_audio_s * audio_s
+
+
+def test_without_the_ngram_check_the_compression_guard_drops_the_loop(
+    engine: Engine, speech_dir: Path
+) -> None:
+    mel, audio_s = _one_second_context(engine, speech_dir)
+    options = DecodeOptions(
+        timestamps=False,
+        word_timestamps=False,
+        repetition_max_ngram=0,  # no n-gram check
+        max_tokens_per_audio_s=30,  # room for the loop to show
+    )
+    result = engine.decode_windows([Window(mel, audio_s, options)])[0]
+    assert result.stop_reason == "compression"
+    assert result.compression_ratio > options.compression_ratio_threshold
+    assert result.text == "" and result.tokens == ()
+    assert not result.is_speech
+
+
+def test_a_repeated_forced_prefix_is_cut_not_continued(engine: Engine, speech_dir: Path) -> None:
+    # Forcing a phrase three times invites the decoder to go on repeating it.
+    audio = load_clip(speech_dir / LOOP_CLIP)
+    audio_s = audio.shape[0] / SAMPLE_RATE_HZ
+    prefix = engine.encode_text(" Go forward. Go forward. Go forward.")
+    options = DecodeOptions(word_timestamps=False)
+    result = engine.decode_windows(
+        [Window(engine.features(audio), audio_s, options, prefix=prefix)]
+    )[0]
+    assert result.stop_reason in ("repetition", "compression")
+    assert repeated_tail(list(result.tokens), 12, 3) is None
+    assert result.n_generated < 8 + options.max_tokens_per_audio_s * audio_s

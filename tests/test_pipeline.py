@@ -1,0 +1,246 @@
+"""The pipeline with a test-double engine: batching, stalest-first order, fault isolation.
+
+``ScriptedEngine`` (tests/helpers.py) decodes instantly and deterministically; clearing its
+``release`` event holds the decode worker inside an engine call, so windows can be queued
+behind it and the next batch's make-up observed exactly, with no timing involved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from server.config import SAMPLE_RATE_HZ, PipelineConfig
+from server.engine.decoder import DecodeResult
+from server.engine.options import DecodeOptions
+from server.errors import DecodeError, ProtocolError
+from server.messages import ErrorMessage, FinalMessage, ServerMessage
+from server.pipeline import DriverOutcome, Pipeline, StreamDriver
+from server.session import DecodeJob, Session
+from tests.helpers import ScriptedEngine, load_clip, pcm_frames
+
+# Fixtures run on the session's loop (asyncio_default_fixture_loop_scope); so must the tests,
+# or the pipeline a fixture started would post its results to a loop that is not running.
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+WAIT_S = 30.0  # generous: only a bug makes any of these waits long
+
+
+def make_job(audio_s: float, created_at: float, session_id: str = "s") -> DecodeJob:
+    return DecodeJob(
+        session_id=session_id,
+        job_id=0,
+        audio=np.zeros(round(audio_s * SAMPLE_RATE_HZ), dtype=np.float32),
+        start_s=0.0,
+        options=DecodeOptions(),
+        prompt=(),
+        prefix=(),
+        closing=False,
+        created_at=created_at,
+    )
+
+
+async def hold_worker(pipeline: Pipeline, engine: ScriptedEngine) -> asyncio.Future[DecodeResult]:
+    """Start a decode and return once the worker is held inside the engine call."""
+    engine.release.clear()
+    engine.entered.clear()
+    first = asyncio.ensure_future(pipeline.decode(make_job(0.5, created_at=0.0, session_id="gate")))
+    entered = await asyncio.to_thread(engine.entered.wait, WAIT_S)
+    assert entered, "the decode worker never called the engine"
+    return first
+
+
+async def queue_jobs(
+    pipeline: Pipeline, jobs: list[DecodeJob]
+) -> list[asyncio.Future[DecodeResult]]:
+    return [await pipeline.enqueue(job, await pipeline.features(job)) for job in jobs]
+
+
+@pytest_asyncio.fixture
+async def scripted() -> AsyncIterator[tuple[Pipeline, ScriptedEngine]]:
+    engine = ScriptedEngine(fail_when=lambda w: w.audio_s == 1.5)
+    pipeline = Pipeline(PipelineConfig(max_batch_size=8, batch_wait_ms=0.0))
+    await pipeline.start(lambda: engine)
+    try:
+        yield pipeline, engine
+    finally:
+        engine.release.set()
+        await pipeline.close()
+
+
+async def test_windows_from_many_sessions_are_decoded_in_one_batch(
+    scripted: tuple[Pipeline, ScriptedEngine],
+) -> None:
+    pipeline, engine = scripted
+    gate = await hold_worker(pipeline, engine)
+    jobs = [make_job(1.0 + i, created_at=1.0 + i, session_id=f"s{i}") for i in range(4)]
+    futures = await queue_jobs(pipeline, jobs)
+    assert pipeline.queued == 4
+    engine.release.set()
+    await asyncio.wait_for(gate, WAIT_S)
+    results = await asyncio.wait_for(asyncio.gather(*futures), WAIT_S)
+    assert [len(r.words) for r in results] == [2, 4, 6, 8]  # one word per half second
+    assert engine.batches == [[0.5], [1.0, 2.0, 3.0, 4.0]]
+    assert pipeline.metrics.batch_size.count == 2
+    assert pipeline.metrics.batch_size.cumulative()[0] == (1.0, 1)  # one batch of size 1 ...
+    assert pipeline.metrics.batch_size.sum == 5  # ... and one of 4
+    assert pipeline.queued == 0
+
+
+async def test_stalest_window_is_served_first(scripted: tuple[Pipeline, ScriptedEngine]) -> None:
+    pipeline, engine = scripted
+    pipeline.config = PipelineConfig(max_batch_size=2, batch_wait_ms=0.0)
+    gate = await hold_worker(pipeline, engine)
+    # Queued in an order that is not their age: audio_s names the age rank (1.0 is oldest).
+    jobs = [
+        make_job(4.0, created_at=40.0, session_id="d"),
+        make_job(2.0, created_at=20.0, session_id="b"),
+        make_job(3.0, created_at=30.0, session_id="c"),
+        make_job(1.0, created_at=10.0, session_id="a"),
+    ]
+    futures = await queue_jobs(pipeline, jobs)
+    engine.release.set()
+    await asyncio.wait_for(asyncio.gather(gate, *futures), WAIT_S)
+    assert engine.batches == [[0.5], [1.0, 2.0], [3.0, 4.0]]
+
+
+async def test_a_failing_window_fails_only_its_own_job(
+    scripted: tuple[Pipeline, ScriptedEngine],
+) -> None:
+    pipeline, engine = scripted
+    gate = await hold_worker(pipeline, engine)
+    jobs = [
+        make_job(1.0, created_at=1.0, session_id="ok1"),
+        make_job(1.5, created_at=2.0, session_id="bad"),  # fail_when: audio_s == 1.5
+        make_job(2.0, created_at=3.0, session_id="ok2"),
+    ]
+    futures = await queue_jobs(pipeline, jobs)
+    engine.release.set()
+    await asyncio.wait_for(gate, WAIT_S)
+    outcomes = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), WAIT_S)
+    assert isinstance(outcomes[0], DecodeResult)
+    assert isinstance(outcomes[1], DecodeError)
+    assert isinstance(outcomes[2], DecodeResult)
+    # The batch failed as a whole, then each window was decoded alone to find the bad one.
+    assert engine.batches[1:] == [[1.0, 1.5, 2.0], [1.0], [1.5], [2.0]]
+    # The worker goes on serving.
+    after = await asyncio.wait_for(pipeline.decode(make_job(1.0, created_at=5.0)), WAIT_S)
+    assert len(after.words) == 2
+
+
+async def test_a_cancelled_window_leaves_the_queue(
+    scripted: tuple[Pipeline, ScriptedEngine],
+) -> None:
+    pipeline, engine = scripted
+    gate = await hold_worker(pipeline, engine)
+    [queued] = await queue_jobs(pipeline, [make_job(2.0, created_at=1.0)])
+    assert pipeline.queued == 1
+    queued.cancel()
+    await asyncio.sleep(0)  # done callbacks run on the next loop iteration
+    assert pipeline.queued == 0
+    engine.release.set()
+    await asyncio.wait_for(gate, WAIT_S)
+    after = await asyncio.wait_for(pipeline.decode(make_job(3.0, created_at=2.0)), WAIT_S)
+    assert len(after.words) == 6
+    assert engine.batches == [[0.5], [3.0]]  # the cancelled window was never decoded
+
+
+async def test_a_window_arriving_within_the_batch_wait_joins_the_batch() -> None:
+    engine = ScriptedEngine()
+    # A long wait and a batch of two: the first window waits for company, the second fills
+    # the batch, which then goes at once (the test does not take batch_wait_ms).
+    pipeline = Pipeline(PipelineConfig(max_batch_size=2, batch_wait_ms=1000.0))
+    await pipeline.start(lambda: engine)
+    try:
+        [first] = await queue_jobs(pipeline, [make_job(1.0, created_at=1.0)])
+        for _ in range(3):
+            await asyncio.sleep(0)  # let the scheduler pick up the first window and wait
+        [second] = await queue_jobs(pipeline, [make_job(2.0, created_at=2.0)])
+        await asyncio.wait_for(asyncio.gather(first, second), WAIT_S)
+        assert engine.batches == [[1.0, 2.0]]
+    finally:
+        await pipeline.close()
+
+
+async def test_close_fails_queued_windows_and_ends_the_worker(
+    scripted: tuple[Pipeline, ScriptedEngine],
+) -> None:
+    pipeline, engine = scripted
+    gate = await hold_worker(pipeline, engine)
+    [queued] = await queue_jobs(pipeline, [make_job(2.0, created_at=1.0)])
+    closing = asyncio.ensure_future(pipeline.close())
+    await asyncio.sleep(0)
+    engine.release.set()  # the worker finishes its call, then the thread ends
+    await asyncio.wait_for(closing, WAIT_S)
+    for future in (gate, queued):
+        with pytest.raises(DecodeError, match="shutting down"):
+            await future
+    assert not pipeline.ready
+
+
+# --------------------------------------------------------------------------- StreamDriver
+
+
+def drain(driver: StreamDriver) -> list[ServerMessage]:
+    messages: list[ServerMessage] = []
+    while not driver.outbox.empty():
+        messages.append(driver.outbox.get_nowait())
+    return messages
+
+
+async def test_a_decode_failure_reaches_only_the_affected_client(speech_dir: Path) -> None:
+    clip = load_clip(speech_dir / "librispeech_test-clean/1089-134691-0001.wav")
+    quiet = clip * (0.5 / float(np.max(np.abs(clip))))
+    loud = clip * (0.99 / float(np.max(np.abs(clip))))
+    # The engine fails any batch holding a window louder than 0.9: only the loud client's.
+    engine = ScriptedEngine(fail_when=lambda w: float(np.max(np.abs(w.mel), initial=0.0)) > 0.9)
+    pipeline = Pipeline(PipelineConfig(max_batch_size=8, batch_wait_ms=5.0))
+    await pipeline.start(lambda: engine)
+    try:
+        drivers = {
+            name: StreamDriver(Session(name, engine), pipeline, max_pending_messages=10_000)
+            for name in ("quiet1", "loud", "quiet2")
+        }
+        audio = {"quiet1": quiet, "loud": loud, "quiet2": quiet}
+        for name, driver in drivers.items():
+            for frame in pcm_frames(audio[name]):
+                driver.receive_audio(frame)
+        for driver in drivers.values():
+            driver.end()
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(d.outcome for d in drivers.values())), WAIT_S
+        )
+        assert outcomes == [DriverOutcome.DONE] * 3
+        messages = {name: drain(d) for name, d in drivers.items()}
+    finally:
+        await pipeline.close()
+    for name in ("quiet1", "quiet2"):
+        assert not [m for m in messages[name] if isinstance(m, ErrorMessage)]
+        text = " ".join(m.text for m in messages[name] if isinstance(m, FinalMessage))
+        assert text.startswith("w0 w1 w2"), text
+    errors = [m for m in messages["loud"] if isinstance(m, ErrorMessage)]
+    assert errors and {e.code for e in errors} == {"decode_failed"}
+    assert not any(e.fatal for e in errors)
+    assert max(len(b) for b in engine.batches) > 1  # the sessions did share batches
+
+
+async def test_a_client_that_does_not_read_overflows_its_outbox() -> None:
+    engine = ScriptedEngine()
+    pipeline = Pipeline()
+    await pipeline.start(lambda: engine)
+    try:
+        driver = StreamDriver(Session("slow", engine), pipeline, max_pending_messages=2)
+        for _ in range(3):
+            with pytest.raises(ProtocolError) as caught:
+                driver.receive_text("{not json")
+            driver.send(ErrorMessage(caught.value.code, str(caught.value), False, 0.0))
+        assert driver.outcome.done()
+        assert driver.outcome.result() is DriverOutcome.OVERFLOW
+        assert driver.outbox.qsize() == 2  # bounded: nothing more was queued
+    finally:
+        await pipeline.close()
