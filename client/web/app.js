@@ -185,6 +185,7 @@
       ready: false,
       done: false,
       endSent: false,
+      doneTimedOut: false, // the page closed after waiting DONE_TIMEOUT_MS for "done"
       samplesSent: 0,
       sentEndsS: [], // stream time at the end of each chunk sent
       sentWallMs: [], // performance.now() when each chunk was sent
@@ -223,7 +224,10 @@
     exposed.lastClose = { code: event.code, reason: event.reason };
     removePartial();
     if (state.phase === "stopping" || (s && s.done)) {
-      finishStopped(s && s.done ? "Stopped." : "Stopped (the server closed before its summary).");
+      let text = "Stopped (the server closed before its summary).";
+      if (s && s.done) text = "Stopped.";
+      else if (s && s.doneTimedOut) text = `Stopped (no summary from the server within ${DONE_TIMEOUT_MS / 1000} s).`;
+      finishStopped(text);
       return;
     }
     if (state.phase !== "running") return;
@@ -364,8 +368,11 @@
     if (ws && (ws.readyState === WebSocket.CONNECTING || ws.readyState === WebSocket.OPEN)) {
       // Before "ready", the ready handler sends the backlog and then "end".
       if (state.session.ready) sendEnd();
+      const s = state.session;
       setTimeout(() => {
-        if (ws === state.ws && ws.readyState !== WebSocket.CLOSED) ws.close(1000);
+        if (ws !== state.ws || ws.readyState === WebSocket.CLOSED) return;
+        s.doneTimedOut = true; // the page gave up, not the server: onClose says so
+        ws.close(1000);
       }, DONE_TIMEOUT_MS);
     } else {
       finishStopped("Stopped.");

@@ -31,6 +31,7 @@ class BlasStatus:
 
 
 _state: dict[str, str | None] = {}  # process-wide by nature: a shared library loads once
+_handle: list[ctypes.CDLL] = []
 
 
 def find_openblas() -> Path | None:
@@ -58,12 +59,31 @@ def preload_openblas() -> str | None:
             lib = find_openblas()
             if lib is not None:
                 try:
-                    ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+                    _handle.append(ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL))
                     path = str(lib)
                 except OSError as exc:
                     logger.warning("could not load %s: %s", lib, exc)
     _state["loaded"] = path
     return path
+
+
+def set_blas_threads(threads: int) -> bool:
+    """Set the preloaded OpenBLAS's thread count; False when none is loaded.
+
+    OpenBLAS workers spin while waiting for work. On a 2-core machine where the decode
+    thread shares the cores with the features thread, the event loop or other processes,
+    two spinning workers slowed decoding 6-8x in our measurements; one thread per matmul
+    degrades gracefully.
+    """
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1; got {threads}")
+    if not _handle:
+        return False
+    setter = getattr(_handle[0], "openblas_set_num_threads", None)
+    if setter is None:
+        return False
+    setter(ctypes.c_int(threads))
+    return True
 
 
 def import_mlx() -> ModuleType:

@@ -349,11 +349,11 @@ class StreamingDecoder:
                 lse = np.log(np.sum(np.exp(row - row[tok])))  # log-softmax of the chosen token
                 logprob = float(-lse)
                 next_tokens[i] = tok
+                sum_logprob[i] += logprob
                 if tok == v.eot:
                     done[i] = True
                     stop[i] = "eot"
                     continue
-                sum_logprob[i] += logprob
                 generated[i].append(tok)
                 full[i].append(tok)
                 token_logprobs[i].append(logprob)
@@ -512,7 +512,11 @@ class StreamingDecoder:
         text = v.text(text_tokens)
         avg_logprob = sum_logprob / (len(generated) + 1)
         ratio = compression_ratio(text)
-        if no_speech_prob > opts.no_speech_threshold and avg_logprob < opts.logprob_threshold:
+        # Whisper's rule needs both signals; silence that slips past VAD ("you", ".") comes with
+        # a confident log-probability, so a near-certain no-speech probability suffices alone.
+        if no_speech_prob > opts.no_speech_certain or (
+            no_speech_prob > opts.no_speech_threshold and avg_logprob < opts.logprob_threshold
+        ):
             stop = "no_speech"
         elif ratio > opts.compression_ratio_threshold:
             stop = "compression"

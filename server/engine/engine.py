@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,6 +24,7 @@ from ..features import (
     N_SAMPLES,
     log_mel_spectrogram,
 )
+from .blas import set_blas_threads
 from .decoder import DecodeRequest, DecodeResult, StreamingDecoder, Vocabulary
 from .lightning import module as lightning_module
 from .options import DecodeOptions
@@ -43,12 +44,15 @@ class EngineConfig:
     min_context_s: float = 10.0  # shorter audio contexts make tiny.en loop or change words
     context_margin_s: float = 1.0  # padding encoded after the real audio
     context_step_s: float = 1.0  # contexts are rounded up to this, so windows batch together
+    blas_threads: int = 1  # OpenBLAS threads on CPU; more spin and starve the other stages
 
     def __post_init__(self) -> None:
         if self.quantize_bits not in (None, 4, 8):
             raise ValueError(f"quantize_bits must be 4, 8 or None; got {self.quantize_bits}")
         if not 0 < self.min_context_s <= 30:
             raise ValueError("min_context_s must be in (0, 30]")
+        if self.blas_threads < 1:
+            raise ValueError("blas_threads must be >= 1")
         if self.context_margin_s < 0 or self.context_step_s <= 0:
             raise ValueError("context_margin_s must be >= 0 and context_step_s > 0")
 
@@ -62,6 +66,17 @@ class Window:
     options: DecodeOptions = field(default_factory=DecodeOptions)
     prompt: tuple[int, ...] = ()
     prefix: tuple[int, ...] = ()
+
+
+GUARD_STOPS = ("repetition", "compression")
+
+
+def _pad_to_full(mel: Float32Array) -> Float32Array:
+    """Extend a policy-length mel to 30 s. Its last frame is pure padding (the context always
+    ends at least ``context_margin_s`` after the audio), and every padding frame has the same
+    value, so repeating it equals computing the padded spectrogram again."""
+    tail = np.repeat(mel[-1:], N_FRAMES - mel.shape[0], axis=0)
+    return np.concatenate([mel, tail])
 
 
 class Engine:
@@ -89,6 +104,7 @@ class Engine:
     @classmethod
     def load(cls, config: EngineConfig | None = None) -> Engine:
         config = config or EngineConfig()
+        set_blas_threads(config.blas_threads)
         loaded = load_model(config.model, dtype=config.dtype)
         logger.info(
             "loaded %s (%s) from %s in %.2f s",
@@ -155,7 +171,22 @@ class Engine:
                 DecodeRequest(f, w.audio_s, w.options, w.prompt, w.prefix)
                 for f, w in zip(feats, windows, strict=True)
             ]
-            return self.decoder.decode(requests)
+            results = self.decoder.decode(requests)
+            retry = [
+                i
+                for i, (r, w) in enumerate(zip(results, windows, strict=True))
+                if r.stop_reason in GUARD_STOPS and w.mel.shape[0] < N_FRAMES
+            ]
+            if retry:
+                # A short audio context is the usual cause of loops; decode those windows
+                # again with the full 30 s context, as Whisper itself would see them.
+                full = self.encode([_pad_to_full(windows[i].mel) for i in retry])
+                again = self.decoder.decode(
+                    [replace(requests[i], features=f) for i, f in zip(retry, full, strict=True)]
+                )
+                for i, r in zip(retry, again, strict=True):
+                    results[i] = r
+            return results
         except (RuntimeError, ValueError, IndexError) as exc:
             raise DecodeError(f"decode of {len(windows)} window(s) failed: {exc}") from exc
 

@@ -17,6 +17,7 @@ class DecodeOptions:
     max_tokens_per_audio_s: float = 12.0  # token cap: 8 + this x audio seconds
     no_speech_threshold: float = 0.6  # P(<|nospeech|>) above this, with low logprob: no text
     logprob_threshold: float = -1.0  # average log-probability below this counts as doubtful
+    no_speech_certain: float = 0.9  # P(<|nospeech|>) above this alone: no text (speech < 0.2)
     compression_ratio_threshold: float = 2.4  # gzip ratio above this: a loop; output dropped
     repetition_max_ngram: int = 12  # longest n-gram checked for consecutive repeats
     repetition_min_repeats: int = 3  # an n-gram repeated this often in a row cuts the decode

@@ -338,12 +338,14 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype: str | None = None) -
         folder = _packaged_folder(name, tried)
         if folder is not None:
             return _from_ct2_folder(folder, name, dtype, started)
-    if name in _STANDARD or "/" in name:
+    # A repository is "owner/name"; anything else with a slash is a folder that is not there.
+    looks_like_path = name.startswith(("/", ".", "~")) or name.count("/") > 1
+    if not looks_like_path and (name in _STANDARD or name.count("/") == 1):
         repo = name if "/" in name else hub_repo(name)
         folder = _download_hub(repo, tried)
         if folder is not None:
             return _load_mlx_folder(folder, name, dtype, started)
-    else:
+    elif not looks_like_path:
         tried.append(f"registry: {name!r} is not one of {', '.join(available_models())}")
     raise ModelNotFoundError(f"model {name_or_path!r} not found; tried: " + "; ".join(tried))
 
