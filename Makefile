@@ -9,7 +9,7 @@ PORT ?= 8765
 MODEL ?= tiny.en
 PYTEST_ARGS ?=
 
-.PHONY: system-libs install run test lint typecheck browser bench bench-engine bench-decoder bench-server soak clean
+.PHONY: system-libs install run test lint browser bench bench-engine bench-decoder bench-streaming clean
 
 install: $(STAMP)
 
@@ -52,7 +52,10 @@ bench-engine: $(STAMP)
 bench-decoder: $(STAMP)
 	$(PY) -m bench.decoder
 
-bench: bench-engine bench-decoder
+bench-streaming: $(STAMP)
+	$(PY) -m bench.streaming
+
+bench: bench-engine bench-decoder bench-streaming
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

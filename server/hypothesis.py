@@ -65,12 +65,16 @@ class LocalAgreement:
         """The newest tail without the words committed from it: shown, but may still change."""
         return list(self._tails[-1]) if self._tails else []
 
-    def update(self, tail: Sequence[Word]) -> list[Word]:
+    def update(self, tail: Sequence[Word], *, hold: int = 0) -> list[Word]:
         """Take the newest hypothesis (the words after the committed ones) and commit.
 
         Returns the newly committed words: the longest prefix on which the last n tails agree
         (compared with ``normalize_word``), with the text and times of the newest tail.
+        The newest tail's last ``hold`` words are never committed here: the word at the very
+        end of the audio is often cut off, and Whisper punctuates it as if the speaker stopped.
         """
+        if hold < 0:
+            raise ValueError(f"hold must be >= 0; got {hold}")
         self._tails.append(list(tail))
         if len(self._tails) < self._n:
             return []
@@ -82,6 +86,7 @@ class LocalAgreement:
             if any(normalize_word(word.text) != first for word in column[1:]):
                 break
             agreed += 1
+        agreed = min(agreed, max(0, len(newest) - hold))
         if agreed == 0:
             return []
         committed = newest[:agreed]

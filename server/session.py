@@ -61,6 +61,7 @@ Float32Array = npt.NDArray[np.float32]
 SENTENCE_END = (".", "?", "!", "。", "？", "！")
 CLAUSE_END = (",", ";", ":", "，", "；", "：")
 MIN_CUT_WINDOW_S = 2.0  # do not cut windows shorter than this at a sentence end
+HOLD_LAST_WORDS = 1  # words at the end of a window that wait for more audio before committing
 MAX_DECODE_FAILURES = 3  # per segment, before its remaining audio is given up with an error
 IDLE_KEEP_S = 1.0  # audio kept while nobody speaks, for the VAD's look-back padding
 
@@ -320,7 +321,7 @@ class Session:
             self._language = result.language
         self._prompt_ok = result.stop_reason not in ("repetition", "compression")
         tail = self._tail_words(job, result)
-        committed = seg.agreement.update(tail)
+        committed = seg.agreement.update(tail, hold=0 if job.closing else HOLD_LAST_WORDS)
         if job.closing:
             committed += seg.agreement.finalize()
         seg.tentative = seg.agreement.tentative

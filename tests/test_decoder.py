@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from server.config import SAMPLE_RATE_HZ
-from server.engine.decoder import compression_ratio, repeated_tail
-from server.engine.engine import Engine, Window
+from server.engine.decoder import DecodeRequest, DecodeResult, compression_ratio, repeated_tail
+from server.engine.engine import Engine, Window, pad_to_full
 from server.engine.options import DecodeOptions
 from server.engine.words import align_words, dtw, median_filter
 from tests.helpers import load_clip
@@ -176,10 +176,17 @@ def _one_second_context(engine: Engine, speech_dir: Path) -> tuple[np.ndarray, f
     return engine.features(audio, frames=100), 1.0
 
 
+def _decode_without_fallback(engine: Engine, window: Window) -> DecodeResult:
+    """The decoder alone: ``Engine.decode_windows`` would retry a guarded row at full context."""
+    features = engine.encode([window.mel])[0]
+    request = DecodeRequest(features, window.audio_s, window.options, window.prompt, window.prefix)
+    return engine.decoder.decode([request])[0]
+
+
 def test_a_looping_decode_is_cut_by_the_repetition_guard(engine: Engine, speech_dir: Path) -> None:
     mel, audio_s = _one_second_context(engine, speech_dir)
     options = DecodeOptions(timestamps=False, word_timestamps=False)
-    result = engine.decode_windows([Window(mel, audio_s, options)])[0]
+    result = _decode_without_fallback(engine, Window(mel, audio_s, options))
     assert result.stop_reason == "repetition"
     assert result.text.strip()
     assert repeated_tail(list(result.tokens), 12, 2) is None  # not even two copies left
@@ -197,7 +204,7 @@ def test_without_the_ngram_check_the_compression_guard_drops_the_loop(
         repetition_max_ngram=0,  # no n-gram check
         max_tokens_per_audio_s=30,  # room for the loop to show
     )
-    result = engine.decode_windows([Window(mel, audio_s, options)])[0]
+    result = _decode_without_fallback(engine, Window(mel, audio_s, options))
     assert result.stop_reason == "compression"
     assert result.compression_ratio > options.compression_ratio_threshold
     assert result.text == "" and result.tokens == ()
@@ -210,9 +217,31 @@ def test_a_repeated_forced_prefix_is_cut_not_continued(engine: Engine, speech_di
     audio_s = audio.shape[0] / SAMPLE_RATE_HZ
     prefix = engine.encode_text(" Go forward. Go forward. Go forward.")
     options = DecodeOptions(word_timestamps=False)
-    result = engine.decode_windows(
-        [Window(engine.features(audio), audio_s, options, prefix=prefix)]
-    )[0]
+    result = _decode_without_fallback(
+        engine, Window(engine.features(audio), audio_s, options, prefix=prefix)
+    )
     assert result.stop_reason in ("repetition", "compression")
     assert repeated_tail(list(result.tokens), 12, 3) is None
     assert result.n_generated < 8 + options.max_tokens_per_audio_s * audio_s
+
+
+def test_the_engine_redecodes_a_guarded_window_with_full_context(
+    engine: Engine, speech_dir: Path
+) -> None:
+    mel, audio_s = _one_second_context(engine, speech_dir)
+    options = DecodeOptions(timestamps=False, word_timestamps=False)
+    looped = _decode_without_fallback(engine, Window(mel, audio_s, options))
+    assert looped.stop_reason == "repetition"
+    result = engine.decode_windows([Window(mel, audio_s, options)])[0]
+    assert result.stop_reason not in ("repetition", "compression")
+    assert result.text.strip() and result.tokens != looped.tokens
+    assert repeated_tail(list(result.tokens), 12, 2) is None
+
+
+def test_padding_a_policy_mel_to_full_context_equals_computing_it(
+    engine: Engine, speech_dir: Path
+) -> None:
+    audio = load_clip(speech_dir / LOOP_CLIP)[: 3 * SAMPLE_RATE_HZ]
+    policy = engine.features(audio)
+    assert policy.shape[0] < 3000
+    np.testing.assert_allclose(pad_to_full(policy), engine.features(audio, 3000), atol=1e-5)

@@ -152,11 +152,6 @@ def test_forced_prefix_continues_to_the_same_tokens(
 
 # --- no speech --------------------------------------------------------------------------------
 
-_NO_SPEECH_XFAIL = (
-    "engine: no text only when P(nospeech) > 0.6 AND avg_logprob < -1 (Whisper's rule); "
-    "tiny.en says ' you' or ' .' with P(nospeech) 0.95-0.99 but avg_logprob about -0.5"
-)
-
 
 def _noise(rms: float, seconds: float = 2.0) -> Float32Array:
     rng = np.random.default_rng(7)
@@ -166,8 +161,8 @@ def _noise(rms: float, seconds: float = 2.0) -> Float32Array:
 @pytest.mark.parametrize(
     "rms",
     [
-        pytest.param(0.0, id="digital-silence", marks=pytest.mark.xfail(reason=_NO_SPEECH_XFAIL)),
-        pytest.param(0.003, id="noise-50dBFS", marks=pytest.mark.xfail(reason=_NO_SPEECH_XFAIL)),
+        pytest.param(0.0, id="digital-silence"),
+        pytest.param(0.003, id="noise-50dBFS"),
         pytest.param(0.01, id="noise-40dBFS"),
     ],
 )

@@ -230,3 +230,17 @@ def test_clean_decodes_commit_exactly_the_truth(n: int, lengths: list[int]) -> N
         assert out == TRUE_WORDS[: len(out)]
     out += [w.text for w in la.finalize()]
     assert out == TRUE_WORDS[: len(out)]
+
+
+def test_hold_keeps_the_last_words_of_the_newest_tail_tentative() -> None:
+    la = LocalAgreement(2)
+    tail = [Word(" ask", 0.0, 0.3), Word(" not", 0.3, 0.6)]
+    assert la.update(tail, hold=1) == []
+    assert [w.text for w in la.update([*tail[:1], Word(" not!", 0.3, 0.6)], hold=1)] == [" ask"]
+    assert [w.text for w in la.tentative] == [" not!"]
+    longer = [Word(" not,", 0.3, 0.6), Word(" what", 0.6, 0.9)]
+    # "not" is no longer the last word, so it commits, with the newest tail's punctuation.
+    assert [w.text for w in la.update(longer, hold=1)] == [" not,"]
+    assert [w.text for w in la.tentative] == [" what"]
+    with pytest.raises(ValueError):
+        la.update(longer, hold=-1)

@@ -71,7 +71,7 @@ class Window:
 GUARD_STOPS = ("repetition", "compression")
 
 
-def _pad_to_full(mel: Float32Array) -> Float32Array:
+def pad_to_full(mel: Float32Array) -> Float32Array:
     """Extend a policy-length mel to 30 s. Its last frame is pure padding (the context always
     ends at least ``context_margin_s`` after the audio), and every padding frame has the same
     value, so repeating it equals computing the padded spectrogram again."""
@@ -180,7 +180,7 @@ class Engine:
             if retry:
                 # A short audio context is the usual cause of loops; decode those windows
                 # again with the full 30 s context, as Whisper itself would see them.
-                full = self.encode([_pad_to_full(windows[i].mel) for i in retry])
+                full = self.encode([pad_to_full(windows[i].mel) for i in retry])
                 again = self.decoder.decode(
                     [replace(requests[i], features=f) for i, f in zip(retry, full, strict=True)]
                 )
