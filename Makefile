@@ -9,7 +9,7 @@ PORT ?= 8765
 MODEL ?= tiny.en
 PYTEST_ARGS ?=
 
-.PHONY: system-libs install run test lint browser bench bench-engine bench-decoder bench-streaming clean
+.PHONY: system-libs install run test lint browser bench bench-engine bench-decoder bench-streaming bench-capacity clean
 
 install: $(STAMP)
 
@@ -55,7 +55,10 @@ bench-decoder: $(STAMP)
 bench-streaming: $(STAMP)
 	$(PY) -m bench.streaming
 
-bench: bench-engine bench-decoder bench-streaming
+bench-capacity: $(STAMP)
+	$(PY) -m bench.capacity
+
+bench: bench-engine bench-decoder bench-streaming bench-capacity
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
