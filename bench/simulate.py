@@ -8,6 +8,7 @@ single-stream server would see. Used by the streaming-core tests and the latency
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +18,7 @@ from server.audio import pcm_s16le_bytes
 from server.config import SAMPLE_RATE_HZ, StreamingConfig, VadConfig
 from server.engine.engine import Engine, Window
 from server.messages import FinalMessage, PartialMessage, ServerMessage, SpeechStartedMessage
-from server.session import Session
+from server.session import DecodeJob, Session
 
 CHUNK_S = 0.02
 
@@ -94,7 +95,13 @@ def simulate(
     streaming: StreamingConfig | None = None,
     vad: VadConfig | None = None,
     session_id: str = "sim",
+    decode_cost_s: Callable[[DecodeJob], float] | None = None,
 ) -> SimulationResult:
+    """Stream ``audio`` through a fresh session; see the module docstring.
+
+    ``decode_cost_s`` replaces the measured wall time of each decode with a modelled cost, so
+    that window positions -- and therefore the text -- are the same on every run (tests).
+    """
     session = Session(
         session_id, engine, streaming=streaming, vad=vad, multilingual=engine.dims.is_multilingual
     )
@@ -123,6 +130,8 @@ def simulate(
         window = Window(mel, job.audio_s, job.options, job.prompt, job.prefix)
         decoded = engine.decode_windows([window])[0]
         spent = time.perf_counter() - started
+        if decode_cost_s is not None:
+            spent = decode_cost_s(job)
         result.decode_s.append(spent)
         clock += spent
         session.receive_result(job, decoded)

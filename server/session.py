@@ -34,7 +34,7 @@ from .buffer import SampleBuffer
 from .config import SAMPLE_RATE_HZ, AudioFormat, StreamingConfig, VadConfig
 from .engine.options import DecodeOptions
 from .errors import ProtocolError
-from .hypothesis import LocalAgreement, Word
+from .hypothesis import LocalAgreement, Word, normalize_word
 from .messages import (
     AUTO_LANGUAGE,
     ConfigMessage,
@@ -61,6 +61,7 @@ Float32Array = npt.NDArray[np.float32]
 SENTENCE_END = (".", "?", "!", "。", "？", "！")
 CLAUSE_END = (",", ";", ":", "，", "；", "：")
 MIN_CUT_WINDOW_S = 2.0  # do not cut windows shorter than this at a sentence end
+CUT_OVERLAP_WORDS = 3  # longest repeat of the pre-cut words looked for after a cut
 HOLD_LAST_WORDS = 1  # words at the end of a window that wait for more audio before committing
 MAX_DECODE_FAILURES = 3  # per segment, before its remaining audio is given up with an error
 IDLE_KEEP_S = 1.0  # audio kept while nobody speaks, for the VAD's look-back padding
@@ -104,6 +105,7 @@ class _Segment:
     agreement: LocalAgreement = field(default_factory=LocalAgreement)
     tentative: list[Word] = field(default_factory=list)
     failures: int = 0
+    before_cut: list[Word] = field(default_factory=list)  # last words committed before a cut
 
 
 class Session:
@@ -365,11 +367,28 @@ class Session:
         while k < len(words) and count < forced:
             count += len(words[k].tokens)
             k += 1
-        return [
+        tail = [
             Word(w.word, job.start_s + w.start_s, job.start_s + w.end_s, w.probability)
             for w in words[k:]
             if w.word.strip()
         ]
+        if not job.prefix and self._segments:
+            tail = self._drop_repeat_of_cut(self._segments[0], tail)
+        return tail
+
+    def _drop_repeat_of_cut(self, seg: _Segment, tail: list[Word]) -> list[Word]:
+        """A window that starts at a cut can hear the end of the last committed word again
+        (word end times are estimates). Drop the longest opening n-gram that repeats the words
+        committed just before the cut, when it lies at the cut."""
+        before = seg.before_cut
+        if not before or not tail or tail[0].start_s > seg.window_start / SAMPLE_RATE_HZ + 1.0:
+            return tail
+        for n in range(min(len(before), len(tail), CUT_OVERLAP_WORDS), 0, -1):
+            if [normalize_word(w.text) for w in tail[:n]] == [
+                normalize_word(w.text) for w in before[-n:]
+            ]:
+                return tail[n:]
+        return tail
 
     def _commit(
         self, seg: _Segment, words: list[Word], result: DecodeResult | None, job: DecodeJob | None
@@ -423,6 +442,7 @@ class Session:
         self._prompt = self._prompt[-self.streaming.prompt_max_tokens * 2 :]
         seg.window_start = max(seg.window_start, min(at, seg.end if seg.end is not None else at))
         seg.decoded_to = max(seg.decoded_to, seg.window_start)
+        seg.before_cut = seg.committed[-CUT_OVERLAP_WORDS:]
         seg.committed.clear()
         seg.committed_tokens.clear()
         seg.agreement.reset()
