@@ -30,6 +30,7 @@ import numpy.typing as npt
 from server.config import SAMPLE_RATE_HZ
 from server.engine.blas import OPENBLAS_ENV, check_blas, import_mlx
 from server.engine.store import CACHE_ENV, load_model
+from tests.helpers import find_speech_dir
 
 logger = logging.getLogger("bench.engine")
 
@@ -47,14 +48,10 @@ Float32Array = npt.NDArray[np.float32]
 
 
 def speech_dir() -> Path:
-    """``$WHISPERWIRE_SPEECH_DIR``, ``<repo>/../shared/speech`` or ``<repo>/shared/speech``."""
-    for candidate in (
-        os.environ.get(SPEECH_ENV),
-        REPO.parent / "shared" / "speech",
-        REPO / "shared" / "speech",
-    ):
-        if candidate and (Path(candidate) / "manifest.tsv").is_file():
-            return Path(candidate)
+    """The real-speech folder (``tests.helpers.find_speech_dir``); exits when absent."""
+    found = find_speech_dir()
+    if found is not None:
+        return found
     raise SystemExit(f"real speech not found: set {SPEECH_ENV} to the shared/speech folder")
 
 
