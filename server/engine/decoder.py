@@ -155,6 +155,9 @@ class StreamingDecoder:
         self.vocab = vocab
         self.dims = model.dims
         self.dtype = dtype  # activations; weights may be quantized integers
+        # Index arrays built once: the filters run for every row at every token.
+        self._suppress = np.array(vocab.suppress, dtype=np.int64)
+        self._blank = np.array(vocab.blank, dtype=np.int64)
         self._caches: list[tuple[mx.array, mx.array]] = []
         self._cache_batch = 0
 
@@ -310,8 +313,8 @@ class StreamingDecoder:
             allowed = (k_idx <= q_idx) & ((k_idx >= p) | (k_idx == q_idx))
             mask_np[i, 0][allowed] = 0.0
         dt = self.dtype
-        # The no-speech probability is read at <|startoftranscript|>; with a prompt that is
-        # not the last prefill position, so prefill up to it first when needed.
+        # The no-speech probability is read at <|startoftranscript|>, which is not the last
+        # prefill position when there is a prompt; the prefill returns logits for both.
         no_speech = np.zeros(b, dtype=np.float64)
         x_logits, caches = self._prefill_with_no_speech(
             tok_np, pos_np, mask_np, pads, sot_index, caches, cross, cross_mask, no_speech
@@ -445,8 +448,8 @@ class StreamingDecoder:
         v = self.vocab
         x = logits.copy()
         if first and opts.suppress_blank:
-            x[list(v.blank)] = NEG_INF
-        x[list(v.suppress)] = NEG_INF
+            x[self._blank] = NEG_INF
+        x[self._suppress] = NEG_INF
         if not opts.timestamps:
             x[v.timestamp_begin :] = NEG_INF
             return x
