@@ -1,7 +1,7 @@
 """``whisperwire-server``: flags -> config dataclasses -> the app.
 
     whisperwire-server [--host 127.0.0.1] [--port 8765] [--model tiny.en] [--dtype float32]
-                       [--quantize-bits 4|8] [--min-context-s 10] [--max-batch-size 8]
+                       [--quantize-bits 4|8] [--min-context-s 3] [--max-batch-size 8]
                        [--batch-wait-ms 5] [--max-sessions 32] [--max-session-s 14400]
                        [--idle-timeout-s 30] [--api-key KEY] [--allowed-origin URL ...]
                        [--tls-cert PEM --tls-key PEM] [--log-level info]
@@ -20,6 +20,7 @@ import os
 import ssl
 import sys
 from collections.abc import Coroutine
+from dataclasses import replace
 from typing import Any
 
 from .config import PipelineConfig, ServerConfig
@@ -77,8 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--min-context-s",
         type=float,
-        default=10.0,
-        help="shortest audio context encoded, seconds (default %(default)s)",
+        help="shortest audio context encoded, seconds (default 3; see bench/README.md)",
     )
 
     batching = parser.add_argument_group("batching")
@@ -183,11 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         from .engine.engine import EngineConfig
 
         engine_config = EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            quantize_bits=args.quantize_bits,
-            min_context_s=args.min_context_s,
+            model=args.model, dtype=args.dtype, quantize_bits=args.quantize_bits
         )
+        if args.min_context_s is not None:
+            engine_config = replace(engine_config, min_context_s=args.min_context_s)
     except ValueError as exc:
         parser.error(str(exc))  # exits with status 2
     for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):

@@ -11,11 +11,17 @@ import numpy as np
 import pytest
 
 from server.config import SAMPLE_RATE_HZ
-from server.engine.decoder import DecodeRequest, DecodeResult, compression_ratio, repeated_tail
+from server.engine.decoder import (
+    DecodeRequest,
+    DecodeResult,
+    compression_ratio,
+    repeat_start,
+    repeated_tail,
+)
 from server.engine.engine import Engine, Window, pad_to_full
 from server.engine.options import DecodeOptions
 from server.engine.words import align_words, dtw, median_filter
-from tests.helpers import load_clip
+from tests.helpers import ManifestRow, load_clip, normalize, wer
 
 LOOP_CLIP = "pocketsphinx_testdata/goforward.wav"  # "go forward ten meters", 2.8 s
 
@@ -56,6 +62,37 @@ def test_ngram_length_and_repeat_count_limits() -> None:
 
 def test_a_repeat_that_is_not_at_the_tail_is_not_cut() -> None:
     assert repeated_tail([*[1, 2, 3] * 4, 4, 5, 6, 7], 12, 3) is None
+
+
+def test_a_phrase_said_twice_is_cut_at_its_second_copy() -> None:
+    phrase = list(range(100, 106))  # 6 tokens: a sentence, not "no, no"
+    assert repeated_tail([1, *phrase, *phrase], 64, 3, phrase_tokens=6) == 7
+    assert repeated_tail([1, *phrase, *phrase], 64, 3) is None  # without the rule: 3 copies
+    assert repeated_tail([1, *phrase[:5], *phrase[:5]], 64, 3, phrase_tokens=6) is None
+
+
+# --- repeat_start ------------------------------------------------------------------------------
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+def test_an_ending_read_twice_is_found_where_the_second_copy_starts() -> None:
+    words = _words("for centuries by a similar process by a similar process")
+    assert repeat_start(words, 3) == 6
+
+
+def test_a_trailing_partial_copy_belongs_to_the_repeat() -> None:
+    words = _words("formal review in this regard in this regard in")
+    assert repeat_start(words, 3) == 5
+
+
+def test_short_repeats_and_new_endings_are_left_alone() -> None:
+    assert repeat_start(_words("i think i think"), 3) is None  # people repeat a word or two
+    assert repeat_start(_words("a b c a b c then more"), 3) is None  # not at the end
+    assert repeat_start(_words("one two three four"), 3) is None
+    assert repeat_start([], 3) is None
 
 
 # --- compression_ratio -------------------------------------------------------------------------
@@ -245,3 +282,20 @@ def test_padding_a_policy_mel_to_full_context_equals_computing_it(
     policy = engine.features(audio)
     assert policy.shape[0] < 3000
     np.testing.assert_allclose(pad_to_full(policy), engine.features(audio, 3000), atol=1e-5)
+
+
+REREAD_CLIP = "ljspeech/LJ001-0003.wav"  # 9.7 s; its policy context reads the ending twice
+
+
+def test_an_ending_read_twice_is_trimmed_without_a_full_context_redecode(
+    engine: Engine, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    reference = next(r.transcript for r in manifest if r.file == REREAD_CLIP)
+    audio = load_clip(speech_dir / REREAD_CLIP)
+    audio_s = audio.shape[0] / SAMPLE_RATE_HZ
+    options = DecodeOptions(word_timestamps=False)
+    result = _decode_without_fallback(engine, Window(engine.features(audio), audio_s, options))
+    assert result.stop_reason == "repeat_at_end"
+    assert result.is_speech
+    assert normalize(result.text).count("similar process") == 1
+    assert wer(reference, result.text) < 0.15

@@ -41,7 +41,7 @@ class EngineConfig:
     dtype: str | None = None  # None: float16 on a GPU, float32 on CPU
     quantize_bits: int | None = None  # 4 or 8: MLX affine quantization of linear layers
     quantize_group_size: int = 64
-    min_context_s: float = 10.0  # shorter audio contexts make tiny.en loop or change words
+    min_context_s: float = 3.0  # shorter: more loops and changed words (bench-decoder table)
     context_margin_s: float = 1.0  # padding encoded after the real audio
     context_step_s: float = 1.0  # contexts are rounded up to this, so windows batch together
     blas_threads: int = 1  # OpenBLAS threads on CPU; more spin and starve the other stages

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+import numpy.typing as npt
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,14 @@ class TextDecoder(nn.Module):
         if self._projection is not None:
             return self.ln(x) @ self._projection
         return self.token_embedding.as_linear(self.ln(x))  # tied output projection
+
+    def projection_array(self) -> npt.NDArray[np.float32] | None:
+        """The output projection as a numpy view of the same memory (no copy), for a CPU
+        matrix-vector product; None when quantized or not in float32."""
+        p = self._projection
+        if p is None or p.dtype != mx.float32:
+            return None
+        return np.asarray(memoryview(p))  # type: ignore[arg-type]  # mlx arrays are buffers
 
 
 class Whisper(nn.Module):
