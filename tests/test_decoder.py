@@ -60,6 +60,12 @@ def test_ngram_length_and_repeat_count_limits() -> None:
     assert repeated_tail(five * 4, 12, 4) == 5
 
 
+def test_the_kept_copy_starts_where_the_repetition_starts() -> None:
+    # The tail's 3-gram is "8 9 7"; keeping its first copy would leave "1 2 7 8 9 7".
+    tokens = [1, 2, *[7, 8, 9] * 3, 7]
+    assert repeated_tail(tokens, 12, 3) == 5
+
+
 def test_a_repeat_that_is_not_at_the_tail_is_not_cut() -> None:
     assert repeated_tail([*[1, 2, 3] * 4, 4, 5, 6, 7], 12, 3) is None
 
@@ -222,7 +228,7 @@ def _decode_without_fallback(engine: Engine, window: Window) -> DecodeResult:
 
 def test_a_looping_decode_is_cut_by_the_repetition_guard(engine: Engine, speech_dir: Path) -> None:
     mel, audio_s = _one_second_context(engine, speech_dir)
-    options = DecodeOptions(timestamps=False, word_timestamps=False)
+    options = DecodeOptions(word_timestamps=False)
     result = _decode_without_fallback(engine, Window(mel, audio_s, options))
     assert result.stop_reason == "repetition"
     assert result.text.strip()
@@ -262,11 +268,11 @@ def test_a_repeated_forced_prefix_is_cut_not_continued(engine: Engine, speech_di
     assert result.n_generated < 8 + options.max_tokens_per_audio_s * audio_s
 
 
-def test_the_engine_redecodes_a_guarded_window_with_full_context(
+def test_the_engine_redecodes_a_guarded_window_with_a_longer_context(
     engine: Engine, speech_dir: Path
 ) -> None:
     mel, audio_s = _one_second_context(engine, speech_dir)
-    options = DecodeOptions(timestamps=False, word_timestamps=False)
+    options = DecodeOptions(word_timestamps=False)
     looped = _decode_without_fallback(engine, Window(mel, audio_s, options))
     assert looped.stop_reason == "repetition"
     result = engine.decode_windows([Window(mel, audio_s, options)])[0]
@@ -299,3 +305,17 @@ def test_an_ending_read_twice_is_trimmed_without_a_full_context_redecode(
     assert result.is_speech
     assert normalize(result.text).count("similar process") == 1
     assert wer(reference, result.text) < 0.15
+
+
+def test_a_transcript_started_over_is_whole_and_not_decoded_again(
+    engine: Engine, speech_dir: Path
+) -> None:
+    # Without timestamps, 1 s of "go forward" in a 1 s context is read again from the start.
+    mel, audio_s = _one_second_context(engine, speech_dir)
+    options = DecodeOptions(timestamps=False, word_timestamps=False)
+    alone = _decode_without_fallback(engine, Window(mel, audio_s, options))
+    assert alone.stop_reason == "repeat_at_end"
+    assert alone.text.strip() and len(alone.tokens) < alone.n_generated
+    assert repeated_tail(list(alone.tokens), 12, 2) is None
+    served = engine.decode_windows([Window(mel, audio_s, options)])[0]
+    assert served.tokens == alone.tokens  # no fallback decode replaced it

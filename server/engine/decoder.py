@@ -34,7 +34,7 @@ logger = logging.getLogger("server.engine.decoder")
 
 NEG_INF = -np.inf
 SECONDS_PER_TIMESTAMP = 0.02
-END_SLACK_S = 1.0  # a transcript whose timestamps reach this close to the audio end is whole
+END_SLACK_S = 0.5  # a transcript whose timestamps reach this close to the audio end is whole
 GEMV_MAX_ROWS = 2  # from 3 rows up, one sgemm beats a matrix-vector product per row
 
 
@@ -156,6 +156,10 @@ def repeated_tail(
             start = len(tokens) - n * need
             while start - n >= 0 and tokens[start - n : start] == gram:
                 start -= n
+            # The tail's n-gram may begin mid-phrase ("regard, in this" for "in this regard,"):
+            # slide back to where the repetition really starts, so the kept copy is whole.
+            while start > 0 and tokens[start - 1] == tokens[start - 1 + n]:
+                start -= 1
             return start + n  # keep the first occurrence
     return None
 
@@ -421,7 +425,10 @@ class StreamingDecoder:
                     full[i] = self._truncate_text(full[i], cut)
                     done[i] = True
                     stop[i] = "repetition"
-                    if self._reached_end(full[i], max_ts[i]):
+                    # Starting the whole transcript over means the first copy covered the
+                    # audio; so do timestamps that reached its end.
+                    restarted = text_only[cut : 2 * cut] == text_only[:cut]
+                    if restarted or self._reached_end(full[i], max_ts[i]):
                         stop[i] = "repeat_at_end"
                 elif len(generated[i]) >= max_new[i]:
                     done[i] = True
