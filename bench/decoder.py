@@ -176,6 +176,60 @@ def bench_decoder(engine: Engine, stock: Stock, repeats: int, budget_s: float) -
     return out
 
 
+def bench_step(engine: Engine, repeats: int, budget_s: float) -> dict[str, Any]:
+    """One token step taken apart: the step as served, its decoder blocks eager and under
+    ``mx.compile``, and the output projection through MLX's matmul and through ``sgemv``."""
+    mx = import_mlx()
+    from server.engine.blas import vector_matrix
+
+    audio = load_speech(E2E_CLIP)[: 2 * SAMPLE_RATE_HZ]
+    feats = engine.encode([engine.features(audio)])[0]
+    decoder = engine.decoder
+    dec = engine.loaded.model.decoder
+    cross, cross_mask, _ = decoder._cross([DecodeRequest(feats, 2.0)])
+    caches = decoder._cache(1)
+    offset = 10  # a few tokens into a decode
+    token = mx.array([[engine.vocab.eot]], dtype=mx.int32)
+    position = mx.array([[offset]], dtype=mx.int32)
+    mask = mx.zeros((1, 1, 1, offset + 1), dtype=mx.float32)
+
+    def blocks(x: Any, mask: Any, *arrays: Any) -> Any:
+        n = len(dec.blocks)
+        ks, vs, xks, xvs = (arrays[i * n : (i + 1) * n] for i in range(4))
+        for block, ck, cv, xk, xv in zip(dec.blocks, ks, vs, xks, xvs, strict=True):
+            x, _, _ = block.decode(x, ck, cv, offset, mask, xk, xv, cross_mask)
+        return dec.ln(x[:, -1, :])
+
+    arrays = [k for k, _ in caches] + [v for _, v in caches]
+    arrays += [k for k, _ in cross] + [v for _, v in cross]
+    x = dec.token_embedding(token) + dec.positional_embedding[position]
+    mx.eval(x, *arrays)
+    compiled = mx.compile(blocks)
+    hidden = blocks(x, mask, *arrays)
+    mx.eval(hidden)
+    hidden_np = np.array(hidden)
+    projection = dec.logits  # MLX: layer norm + (state, vocab) matmul
+
+    def served() -> None:
+        decoder._forward(token, position, offset, caches, mask, cross, cross_mask)
+
+    figures = {
+        "step_as_served": served,
+        "blocks_eager": lambda: mx.eval(blocks(x, mask, *arrays)),
+        "blocks_mx_compile": lambda: mx.eval(compiled(x, mask, *arrays)),
+        "projection_mlx_matmul": lambda: np.array(projection(x[:, -1, :])),
+        "projection_sgemv": lambda: vector_matrix(hidden_np, dec.projection_array()),
+    }
+    out: dict[str, Any] = {"offset": offset, "audio_positions": int(feats.shape[0])}
+    for label, fn in figures.items():
+        out[label] = summary(timed(fn, repeats=max(repeats, 20), budget_s=budget_s))
+    out["compile_speedup"] = round(
+        out["blocks_eager"]["p50_ms"] / out["blocks_mx_compile"]["p50_ms"], 2
+    )
+    logger.info("token step %s", out)
+    return out
+
+
 def bench_windows(engine: Engine, stock: Stock, repeats: int, budget_s: float) -> dict[str, Any]:
     audio = load_speech(E2E_CLIP)
     out: dict[str, Any] = {}
@@ -378,6 +432,14 @@ def report(results: dict[str, Any]) -> str:
         f"ours {c(d['ours_full_context'])} (1500), "
         f"ours {c(d['ours_policy_context'])} (policy); "
         f"x{d['speedup_vs_stock']:.1f} on the same features",
+    ]
+    st = results["step"]
+    out += [
+        f"one token step ms (min/p50/p95), {st['audio_positions']} audio positions: as served "
+        f"{c(st['step_as_served'])}; decoder blocks eager {c(st['blocks_eager'])}, "
+        f"mx.compile {c(st['blocks_mx_compile'])} (x{st['compile_speedup']:.2f}); output "
+        f"projection MLX matmul {c(st['projection_mlx_matmul'])}, sgemv "
+        f"{c(st['projection_sgemv'])}",
         "",
         "end-to-end window decode ms (min/p50/p95)",
     ]
@@ -435,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     results["encoder"] = bench_encoder(engine, stock, args.repeats, args.budget_s)
     logger.info("decoder ms per token")
     results["decoder"] = bench_decoder(engine, stock, args.repeats, args.budget_s)
+    logger.info("one token step taken apart")
+    results["step"] = bench_step(engine, args.repeats, args.budget_s)
     logger.info("2 s and 5 s windows end to end")
     results["windows"] = bench_windows(engine, stock, args.repeats, args.budget_s)
     logger.info("throughput by batch")
