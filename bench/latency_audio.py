@@ -1,0 +1,185 @@
+"""The audio both servers hear in the latency benchmark, and its reference timeline.
+
+A stream is real speech from ``shared/speech``: a long recording, or English clips joined
+with pauses so that speech ends (and finals are due) inside the stream. Every stream ends with
+silence for the same reason. The reference word times come from our offline transcription
+with word timestamps (30 s windows at full context, as ``server.engine.offline``): they
+depend on neither server's streaming, and both servers are measured against the same ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import numpy as np
+import numpy.typing as npt
+
+from bench.engine import speech_dir
+from bench.latency_metrics import RefWord, join_word_pieces
+from server.audio import read_audio_file
+from server.config import SAMPLE_RATE_HZ
+from server.engine.engine import Engine, Window
+from server.engine.offline import PROMPT_TOKENS, transcribe_audio
+from server.engine.options import DecodeOptions
+from server.features import N_FRAMES, N_SAMPLES
+from tests.helpers import ManifestRow, read_manifest
+
+logger = logging.getLogger("bench.latency_audio")
+
+Float32Array = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class Aligned:
+    """One recording's offline transcription: text (the WER baseline) and word times."""
+
+    text: str
+    words: tuple[RefWord, ...]
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One stream to replay: audio, reference transcript, offline text and word times."""
+
+    name: str
+    audio: Float32Array
+    transcript: str  # the source's reference, for WER
+    offline_text: str  # offline transcription of the same files, for WER beside streaming
+    words: tuple[RefWord, ...]  # reference timeline in stream seconds
+
+    @property
+    def seconds(self) -> float:
+        return float(self.audio.shape[0] / SAMPLE_RATE_HZ)
+
+
+def align_recording(engine: Engine, audio: Float32Array) -> Aligned:
+    """Offline text and word times of a whole recording in one pass.
+
+    This is ``transcribe_audio``'s long-form loop (30 s windows at full context, the text
+    before as prompt, the next window starting at the last complete segment) with word
+    timestamps on: they are computed after decoding, so the text is the offline text itself,
+    and one pass instead of two halves the alignment time. Each window's words are kept up to
+    where the next window starts.
+    """
+    options = DecodeOptions(word_timestamps=True)
+    hop = N_SAMPLES // N_FRAMES
+    seek = 0
+    context: list[int] = []
+    texts: list[str] = []
+    words: list[RefWord] = []
+    while seek < audio.shape[0]:
+        chunk = audio[seek : seek + N_SAMPLES]
+        if chunk.shape[0] < hop:
+            break
+        mel = engine.features(chunk, N_FRAMES)
+        window = Window(
+            mel, chunk.shape[0] / SAMPLE_RATE_HZ, options, prompt=tuple(context[-PROMPT_TOKENS:])
+        )
+        result = engine.decode_windows([window])[0]
+        offset_s = seek / SAMPLE_RATE_HZ
+        advance = chunk.shape[0]
+        if result.is_speech and result.segments:
+            done = [s for s in result.segments if s.end_s >= 0]
+            tail = [s for s in result.segments if s.end_s < 0]
+            keep = list(result.segments)
+            if tail and done and chunk.shape[0] == N_SAMPLES:
+                advance = round(done[-1].end_s * SAMPLE_RATE_HZ)
+                keep = done
+            limit_s = advance / SAMPLE_RATE_HZ
+            for w in result.words:
+                # The unfinished last segment is decoded again from the next window.
+                if advance < chunk.shape[0] and w.start_s >= limit_s - 0.01:
+                    continue
+                words.append(RefWord(w.word, offset_s + w.start_s, offset_s + w.end_s))
+            for s in keep:
+                texts.append(s.text)
+                context.extend(s.tokens)
+        seek += max(advance, hop)
+    return Aligned("".join(texts).strip(), tuple(join_word_pieces(words)))
+
+
+def check_offline_text(engine: Engine, audio: Float32Array, aligned: Aligned) -> None:
+    """Warn when ``align_recording`` no longer gives ``transcribe_audio``'s text (the loop in
+    server/engine/offline.py changed and this copy did not follow)."""
+    text = transcribe_audio(engine, audio, DecodeOptions(word_timestamps=False)).text
+    if text != aligned.text:
+        logger.warning("offline text differs from transcribe_audio: %r != %r", aligned.text, text)
+
+
+def english_clips(min_s: float = 3.0, max_s: float = 12.0) -> list[ManifestRow]:
+    """English clips of ``manifest.tsv`` within a duration range, in manifest order."""
+    rows = read_manifest(speech_dir() / "manifest.tsv")
+    return [r for r in rows if r.language == "en" and min_s < r.seconds < max_s]
+
+
+def long_recordings() -> list[ManifestRow]:
+    """The English recordings of ``manifest_long.tsv``."""
+    return [r for r in read_manifest(speech_dir() / "manifest_long.tsv") if r.language == "en"]
+
+
+class Aligner:
+    """Offline alignment of recordings, each file aligned once however many streams use it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._cache: dict[str, tuple[Float32Array, Aligned]] = {}
+
+    def get(self, row: ManifestRow) -> tuple[Float32Array, Aligned]:
+        if row.file not in self._cache:
+            audio = read_audio_file(speech_dir() / row.file)
+            aligned = align_recording(self._engine, audio)
+            if not self._cache:
+                check_offline_text(self._engine, audio, aligned)
+            self._cache[row.file] = (audio, aligned)
+            logger.info("aligned %s (%.1f s)", row.file, row.seconds)
+        return self._cache[row.file]
+
+    def stream(
+        self, name: str, rows: Iterable[ManifestRow], *, pause_s: float, tail_s: float
+    ) -> Stream:
+        """The rows' audio joined with ``pause_s`` of silence, ``tail_s`` of it at the end."""
+        parts: list[Float32Array] = []
+        words: list[RefWord] = []
+        transcripts: list[str] = []
+        offline: list[str] = []
+        offset_s = 0.0
+        pause = np.zeros(round(pause_s * SAMPLE_RATE_HZ), dtype=np.float32)
+        for k, row in enumerate(rows):
+            if k:
+                parts.append(pause)
+                offset_s += pause_s
+            audio, aligned = self.get(row)
+            parts.append(audio)
+            words += [
+                replace(w, start_s=w.start_s + offset_s, end_s=w.end_s + offset_s)
+                for w in aligned.words
+            ]
+            transcripts.append(row.transcript)
+            offline.append(aligned.text)
+            offset_s += audio.shape[0] / SAMPLE_RATE_HZ
+        parts.append(np.zeros(round(tail_s * SAMPLE_RATE_HZ), dtype=np.float32))
+        return Stream(
+            name, np.concatenate(parts), " ".join(transcripts), " ".join(offline), tuple(words)
+        )
+
+
+def plain_stream(name: str, rows: Iterable[ManifestRow], *, pause_s: float) -> Stream:
+    """The rows' audio joined with pauses, without reference (for memory, not latency)."""
+    pause = np.zeros(round(pause_s * SAMPLE_RATE_HZ), dtype=np.float32)
+    parts: list[Float32Array] = []
+    for row in rows:
+        parts += [read_audio_file(speech_dir() / row.file), pause]
+    return Stream(name, np.concatenate(parts), "", "", ())
+
+
+def clip_rows(total_s: float, *, start: int = 0, step: int = 1) -> list[ManifestRow]:
+    """English clips from index ``start`` every ``step``-th (wrapping), until ``total_s``."""
+    clips = english_clips()
+    out: list[ManifestRow] = []
+    k = start
+    while sum(r.seconds for r in out) < total_s:
+        out.append(clips[k % len(clips)])
+        k += step
+    return out
