@@ -455,7 +455,7 @@ class _Connection:
 
     @property
     def lag_s(self) -> float:
-        return self.driver.session.pending_audio_s if self.driver is not None else 0.0
+        return self.driver.session.lag_s if self.driver is not None else 0.0
 
     def request_stop(self, stop: _Stop) -> None:
         """Finish this session from the server side (the first reason wins)."""

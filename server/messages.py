@@ -6,10 +6,13 @@ Client to server, as WebSocket text frames: ``config``, ``flush`` and ``end``
 (each dataclass has ``to_json``; ``parse_server_message`` rebuilds them on the client side).
 
 Every server message carries ``audio_received_s``: seconds of audio the server has received so
-far, in stream time. Times (``start``, ``end``) are stream seconds too. Decoding is strict for
-client messages (unknown fields are errors) and lenient for server messages (unknown fields are
-ignored, so a v1 server may add fields without breaking v1 clients). Every decoding failure is
-a ``ProtocolError`` whose message is safe to send back to the peer.
+far, in stream time. ``partial`` and ``final`` also carry ``lag_s`` (how far the text is behind
+the audio) and ``done`` accounts for every second received (speech transcribed or given up,
+and non-speech); parsed from an older v1 server, those fields are None. Times (``start``,
+``end``) are stream seconds too. Decoding is strict for client messages (unknown fields are
+errors) and lenient for server messages (unknown fields are ignored, so a v1 server may add
+fields without breaking v1 clients). Every decoding failure is a ``ProtocolError`` whose
+message is safe to send back to the peer.
 """
 
 from __future__ import annotations
@@ -166,18 +169,22 @@ class PartialMessage:
     start: float
     end: float
     audio_received_s: float
+    lag_s: float | None = None  # speech received that no finished decode covered; see final
 
     def to_json(self) -> str:
         """Compact JSON, floats rounded to milliseconds."""
         return _dumps(
-            {
-                "type": "partial",
-                "segment_id": self.segment_id,
-                "text": self.text,
-                "start": _ms(self.start),
-                "end": _ms(self.end),
-                "audio_received_s": _ms(self.audio_received_s),
-            }
+            _with_optional(
+                {
+                    "type": "partial",
+                    "segment_id": self.segment_id,
+                    "text": self.text,
+                    "start": _ms(self.start),
+                    "end": _ms(self.end),
+                    "audio_received_s": _ms(self.audio_received_s),
+                },
+                lag_s=self.lag_s,
+            )
         )
 
 
@@ -210,19 +217,25 @@ class FinalMessage:
     end: float
     words: tuple[WordInfo, ...]
     audio_received_s: float
+    # Seconds of speech the server had received but not yet decoded when this was sent: how
+    # far the text is behind the audio. Under overload it grows (audio waits, none is dropped).
+    lag_s: float | None = None
 
     def to_json(self) -> str:
         """Compact JSON, floats rounded to milliseconds."""
         return _dumps(
-            {
-                "type": "final",
-                "segment_id": self.segment_id,
-                "text": self.text,
-                "start": _ms(self.start),
-                "end": _ms(self.end),
-                "words": [w.to_obj() for w in self.words],
-                "audio_received_s": _ms(self.audio_received_s),
-            }
+            _with_optional(
+                {
+                    "type": "final",
+                    "segment_id": self.segment_id,
+                    "text": self.text,
+                    "start": _ms(self.start),
+                    "end": _ms(self.end),
+                    "words": [w.to_obj() for w in self.words],
+                    "audio_received_s": _ms(self.audio_received_s),
+                },
+                lag_s=self.lag_s,
+            )
         )
 
 
@@ -250,23 +263,37 @@ class ErrorMessage:
 
 @dataclass(frozen=True)
 class DoneMessage:
-    """The closing summary after the client's ``end``, just before a normal close."""
+    """The closing summary after the client's ``end``, just before a normal close.
+
+    It accounts for every second received: ``speech_s + non_speech_s == audio_received_s`` and
+    ``transcribed_s + failed_s == speech_s`` (each to the millisecond rounding; to a few
+    milliseconds more for audio the server resampled). The last three are None when parsed
+    from a server that predates them.
+    """
 
     segments: int  # finals sent in this session
     audio_received_s: float
     speech_s: float  # seconds of audio the voice activity detector called speech
     session_s: float  # wall-clock seconds the session lasted
+    non_speech_s: float | None = None  # audio the detector called silence or noise: no text
+    transcribed_s: float | None = None  # speech the engine decoded; its words are in the finals
+    failed_s: float | None = None  # speech given up after repeated decode failures
 
     def to_json(self) -> str:
         """Compact JSON, floats rounded to milliseconds."""
         return _dumps(
-            {
-                "type": "done",
-                "segments": self.segments,
-                "audio_received_s": _ms(self.audio_received_s),
-                "speech_s": _ms(self.speech_s),
-                "session_s": _ms(self.session_s),
-            }
+            _with_optional(
+                {
+                    "type": "done",
+                    "segments": self.segments,
+                    "audio_received_s": _ms(self.audio_received_s),
+                    "speech_s": _ms(self.speech_s),
+                    "session_s": _ms(self.session_s),
+                },
+                non_speech_s=self.non_speech_s,
+                transcribed_s=self.transcribed_s,
+                failed_s=self.failed_s,
+            )
         )
 
 
@@ -371,6 +398,7 @@ def _parse_partial(f: _Fields) -> PartialMessage:
         start=f.float_("start"),
         end=f.float_("end"),
         audio_received_s=f.float_("audio_received_s"),
+        lag_s=f.opt_float("lag_s"),
     )
 
 
@@ -398,6 +426,7 @@ def _parse_final(f: _Fields) -> FinalMessage:
         end=f.float_("end"),
         words=tuple(words),
         audio_received_s=f.float_("audio_received_s"),
+        lag_s=f.opt_float("lag_s"),
     )
 
 
@@ -416,6 +445,9 @@ def _parse_done(f: _Fields) -> DoneMessage:
         audio_received_s=f.float_("audio_received_s"),
         speech_s=f.float_("speech_s"),
         session_s=f.float_("session_s"),
+        non_speech_s=f.opt_float("non_speech_s"),
+        transcribed_s=f.opt_float("transcribed_s"),
+        failed_s=f.opt_float("failed_s"),
     )
 
 
@@ -524,6 +556,13 @@ class _Fields:
             raise self._wrong(key, "a string", value)
         return value
 
+    def opt_float(self, key: str) -> float | None:
+        """A number, or None when absent or null (fields newer servers add)."""
+        if key not in self._obj or self._obj[key] is None:
+            self._seen.add(key)
+            return None
+        return self.float_(key)
+
     def opt_int(self, key: str) -> int | None:
         """An integer, or None when absent."""
         if key not in self._obj:
@@ -619,6 +658,12 @@ def _json_type(value: object) -> str:
 
 def _ms(seconds: float) -> float:
     return round(seconds, _MS_DIGITS)
+
+
+def _with_optional(obj: dict[str, object], **seconds: float | None) -> dict[str, object]:
+    """``obj`` with the fields of ``seconds`` that are set, rounded to milliseconds."""
+    obj.update({name: _ms(value) for name, value in seconds.items() if value is not None})
+    return obj
 
 
 def _dumps(obj: Mapping[str, object]) -> str:

@@ -486,6 +486,9 @@ class StreamDriver:
                 self._decoding = asyncio.create_task(
                     self._decode(job), name=f"decode-{self.session.session_id}-{job.job_id}"
                 )
+            # Asking for a job can emit messages too: finals of a forced cut, or done when
+            # only an empty segment was left.
+            self._flush()
         if self.session.done:
             self._finish(DriverOutcome.DONE)
 

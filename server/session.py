@@ -65,6 +65,7 @@ CUT_OVERLAP_WORDS = 3  # longest repeat of the pre-cut words looked for after a 
 HOLD_LAST_WORDS = 1  # words at the end of a window that wait for more audio before committing
 MAX_DECODE_FAILURES = 3  # per segment, before its remaining audio is given up with an error
 IDLE_KEEP_S = 1.0  # audio kept while nobody speaks, for the VAD's look-back padding
+TAIL_RETRY_S = 1.0  # speech left after a closing decode's last word that is decoded again
 
 
 class TextCodec(Protocol):
@@ -106,6 +107,10 @@ class _Segment:
     tentative: list[Word] = field(default_factory=list)
     failures: int = 0
     before_cut: list[Word] = field(default_factory=list)  # last words committed before a cut
+    # End sample of the last decode of the current window that came back with a result. Unlike
+    # decoded_to (set when a job is dispatched, reset after a failure), it only counts audio the
+    # engine has actually heard: it bounds where a cut may go and measures the lag.
+    heard_to: int = 0
 
 
 class Session:
@@ -144,6 +149,9 @@ class Session:
         self._done = False
         self._last_partial: tuple[int, str] | None = None
         self._speech_samples = 0
+        # Every speech sample ends up in exactly one of these (see DoneMessage).
+        self._transcribed_samples = 0
+        self._failed_samples = 0
         self._created = time.monotonic()
 
     # -- properties ----------------------------------------------------------------------
@@ -169,12 +177,13 @@ class Session:
         return self._language
 
     @property
-    def pending_audio_s(self) -> float:
-        """Speech received but not yet covered by a decode: how far behind this stream is."""
+    def lag_s(self) -> float:
+        """Speech received that no finished decode has covered yet (the window in flight
+        counts as not covered): how far this stream's text is behind its audio."""
         behind = 0
         for seg in self._segments:
             end = seg.end if seg.end is not None else self._buffer.end
-            behind += max(0, end - max(seg.decoded_to, seg.window_start))
+            behind += max(0, end - max(seg.heard_to, seg.window_start))
         return behind / SAMPLE_RATE_HZ
 
     # -- input ---------------------------------------------------------------------------
@@ -248,7 +257,9 @@ class Session:
         now_s = self.audio_received_s
         if isinstance(event, SpeechStarted):
             start = max(event.start_sample, self._buffer.start)
-            self._segments.append(_Segment(start=start, window_start=start, decoded_to=start))
+            self._segments.append(
+                _Segment(start=start, window_start=start, decoded_to=start, heard_to=start)
+            )
             self._events.append(SpeechStartedMessage(start / SAMPLE_RATE_HZ, now_s))
         else:
             self._events.append(SpeechEndedMessage(event.end_sample / SAMPLE_RATE_HZ, now_s))
@@ -260,7 +271,9 @@ class Session:
             seg.end = max(end, seg.window_start)
             self._speech_samples += seg.end - seg.start
             if reopen:
-                self._segments.append(_Segment(start=end, window_start=end, decoded_to=end))
+                self._segments.append(
+                    _Segment(start=end, window_start=end, decoded_to=end, heard_to=end)
+                )
 
     def _trim(self) -> None:
         if self._segments:
@@ -293,7 +306,10 @@ class Session:
             end = min(end, seg.window_start + max_window)
             closing = closing and end == seg.end
         if end <= seg.window_start:
-            self._finish_segment_if_closed(seg)
+            # Nothing left to decode (a flush at a window's end leaves an empty segment): it
+            # may have been the last thing ``done`` waited for.
+            self._finish_segment_if_closed(seg, decoded=True)
+            self._maybe_done()
             return self.next_job()
         job = DecodeJob(
             session_id=self.session_id,
@@ -319,6 +335,7 @@ class Session:
             return
         self._in_flight = None
         seg = self._segments[0]
+        seg.heard_to = max(seg.heard_to, round(job.start_s * SAMPLE_RATE_HZ) + job.audio.shape[0])
         if self._language is None and result.language:
             self._language = result.language
         self._prompt_ok = result.stop_reason not in ("repetition", "compression")
@@ -330,13 +347,16 @@ class Session:
         self._commit(seg, committed, result, job)
         self._emit_partial(seg)
         if job.closing:
-            self._finish_segment_if_closed(seg)
+            if not self._cut_before_unheard_tail(seg):
+                self._finish_segment_if_closed(seg, decoded=True)
         else:
             self._maybe_cut_at_sentence(seg)
         self._maybe_done()
 
     def receive_failure(self, job: DecodeJob, error: Exception) -> None:
-        """A decode failed: tell the client; the window is retried with the next job."""
+        """A decode failed: tell the client; the window is retried with the next job, up to
+        ``MAX_DECODE_FAILURES`` times per segment (the closing decode too: a segment's last
+        window holds the words not yet final, and one passing failure must not lose them)."""
         if self._in_flight is None or job.job_id != self._in_flight.job_id:
             return
         self._in_flight = None
@@ -345,13 +365,13 @@ class Session:
         )
         seg = self._segments[0]
         seg.failures += 1
-        if job.closing or seg.failures >= MAX_DECODE_FAILURES:
+        if seg.failures >= MAX_DECODE_FAILURES:
             # Keep what was shown; the audio that could not be decoded is reported, not retried
             # forever.
             self._commit(seg, seg.agreement.finalize(), None, None)
             if seg.end is None:
                 self._close_open_segment(seg.window_start + job.audio.shape[0], reopen=True)
-            self._finish_segment_if_closed(seg)
+            self._finish_segment_if_closed(seg, decoded=False)
             self._maybe_done()
         else:
             seg.decoded_to = seg.window_start  # retried with the next audio
@@ -418,6 +438,7 @@ class Session:
                     WordInfo(w.text.strip(), w.start_s, w.end_s, w.probability) for w in words
                 ),
                 audio_received_s=self.audio_received_s,
+                lag_s=self.lag_s,
             )
         )
         self._next_segment_id += 1
@@ -433,15 +454,25 @@ class Session:
         start = words[0].start_s if words else seg.window_start / SAMPLE_RATE_HZ
         end = words[-1].end_s if words else start
         self._events.append(
-            PartialMessage(self._next_segment_id, text, start, end, self.audio_received_s)
+            PartialMessage(
+                self._next_segment_id, text, start, end, self.audio_received_s, self.lag_s
+            )
         )
 
     def _cut(self, seg: _Segment, at: int) -> None:
         """Start a new window at ``at``; committed text of the old one becomes the prompt."""
         self._prompt.extend(seg.committed_tokens)
         self._prompt = self._prompt[-self.streaming.prompt_max_tokens * 2 :]
-        seg.window_start = max(seg.window_start, min(at, seg.end if seg.end is not None else at))
+        start = max(seg.window_start, min(at, seg.end if seg.end is not None else at))
+        heard = max(seg.window_start, min(start, seg.heard_to))
+        self._transcribed_samples += heard - seg.window_start
+        if start > heard:
+            # A cut past what the engine heard skips audio; callers cut at heard_to at most.
+            self.log.error("cut at %d skipped %d samples never decoded", start, start - heard)
+            self._failed_samples += start - heard
+        seg.window_start = start
         seg.decoded_to = max(seg.decoded_to, seg.window_start)
+        seg.heard_to = max(seg.heard_to, seg.window_start)
         seg.before_cut = seg.committed[-CUT_OVERLAP_WORDS:]
         seg.committed.clear()
         seg.committed_tokens.clear()
@@ -462,19 +493,53 @@ class Session:
         ):
             self._cut(seg, at)
 
+    def _cut_before_unheard_tail(self, seg: _Segment) -> bool:
+        """After a closing decode: when its words end well before the segment does, cut at
+        the last one so the rest is decoded as a window of its own. Whisper can end a long
+        window at a sentence end although speech follows (seen on 13 s windows of a stream
+        that fell behind: the second sentence never came out); finishing the segment there
+        would lose those words. Each cut moves the window forward, so this ends.
+        Returns False when the words reach the end and the segment can be finished."""
+        if seg.end is None or not seg.committed:
+            return False
+        last = seg.committed[-1]
+        if seg.end - round(last.end_s * SAMPLE_RATE_HZ) < TAIL_RETRY_S * SAMPLE_RATE_HZ:
+            return False
+        # The cut goes at the start of the last word, not its end: a word before an early end
+        # of text tends to be given the time of the silence or speech after it, and the words
+        # under that time would be skipped. The new window hears the last word again; the
+        # repeat is dropped (_drop_repeat_of_cut).
+        at = round(last.start_s * SAMPLE_RATE_HZ)
+        if at <= seg.window_start:
+            return False
+        self._cut(seg, at)
+        return True
+
     def _force_cut(self, seg: _Segment, limit: int) -> None:
         """The window outgrew ``max_window_s``: cut at the last committed word, or commit the
-        tentative words first if nothing was agreed on."""
+        tentative words first if nothing was agreed on.
+
+        Never past what the engine has heard of the window: a stream that fell behind (its
+        decodes slower than its audio) holds more than ``max_window_s`` of undecoded speech,
+        and a cut there would skip it. Without a cut the next job is the window's first
+        ``max_window_s``; the cut follows once that was decoded."""
         if not seg.committed and seg.tentative:
             self._commit(seg, seg.agreement.finalize(), None, None)
-        at = round(seg.committed[-1].end_s * SAMPLE_RATE_HZ) if seg.committed else limit
+        heard = min(seg.heard_to, limit)
+        at = round(seg.committed[-1].end_s * SAMPLE_RATE_HZ) if seg.committed else heard
         if at <= seg.window_start:
-            at = limit
-        self._cut(seg, min(at, limit))
+            at = heard
+        if min(at, heard) > seg.window_start:
+            self._cut(seg, min(at, heard))
 
-    def _finish_segment_if_closed(self, seg: _Segment) -> None:
+    def _finish_segment_if_closed(self, seg: _Segment, *, decoded: bool) -> None:
+        """Retire a closed segment. ``decoded``: its last window was decoded to the end (else
+        it is given up after decode failures, and only what was heard counts as transcribed)."""
         if seg.end is None:
             return
+        heard = seg.end if decoded else max(seg.window_start, min(seg.heard_to, seg.end))
+        self._transcribed_samples += heard - seg.window_start
+        self._failed_samples += seg.end - heard
         self._prompt.extend(seg.committed_tokens)
         self._prompt = self._prompt[-self.streaming.prompt_max_tokens * 2 :]
         if self._last_partial is not None and self._last_partial[1]:
@@ -500,6 +565,9 @@ class Session:
                     audio_received_s=self.audio_received_s,
                     speech_s=self._speech_samples / SAMPLE_RATE_HZ,
                     session_s=time.monotonic() - self._created,
+                    non_speech_s=(self._buffer.end - self._speech_samples) / SAMPLE_RATE_HZ,
+                    transcribed_s=self._transcribed_samples / SAMPLE_RATE_HZ,
+                    failed_s=self._failed_samples / SAMPLE_RATE_HZ,
                 )
             )
 

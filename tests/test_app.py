@@ -10,24 +10,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import socket
 import ssl
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pytest
-from websockets.asyncio.client import connect
+import pytest_asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from server.app import WhisperwireServer
-from server.config import ServerConfig
-from server.errors import ModelNotFoundError
+from server.audio import pcm_s16le_bytes
+from server.config import SAMPLE_RATE_HZ, ServerConfig, StreamingConfig
+from server.errors import ModelNotFoundError, StreamError
+from server.messages import MAX_TEXT_MESSAGE_BYTES
 from server.pipeline import SpeechEngine
+from server.session import MAX_DECODE_FAILURES, Session
 from tests.helpers import (
+    Float32Array,
     ManifestRow,
     ScriptedEngine,
     StreamOutcome,
@@ -41,7 +51,8 @@ from tests.helpers import (
 )
 
 if TYPE_CHECKING:
-    from server.engine.engine import Engine
+    from server.engine.decoder import DecodeResult
+    from server.engine.engine import Engine, Window
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -62,6 +73,11 @@ CONCURRENT_CLIPS = (
     "librispeech_test-clean/1089-134691-0001.wav",
     "ljspeech/LJ001-0006.wav",
     "librispeech_misc/lightning-whisper-mlx_ls_test.wav",
+)
+SIGTERM_CLIPS = (
+    "librispeech_test-clean/1089-134686-0000.wav",  # 10.4 s
+    "librispeech_test-clean/1089-134691-0001.wav",  # 5.4 s
+    "ljspeech/LJ001-0004.wav",
 )
 
 
@@ -92,7 +108,25 @@ def check_message_shapes(outcome: StreamOutcome) -> None:
     for f in finals:
         assert f["start"] <= f["end"]
         assert all(w["start"] <= w["end"] for w in f["words"])
+    for m in outcome.of_type("partial") + finals:
+        assert m["lag_s"] >= 0
+    check_nothing_lost(outcome)
     assert outcome.close_code == 1000
+
+
+def check_nothing_lost(outcome: StreamOutcome, *, sent_s: float | None = None) -> None:
+    """``done`` accounts for every second: speech or not, and all speech transcribed unless
+    the client was told its decodes failed."""
+    done = outcome.messages[-1]
+    assert done["type"] == "done", done
+    if sent_s is not None:
+        assert done["audio_received_s"] == pytest.approx(sent_s, abs=0.002)
+    assert done["speech_s"] + done["non_speech_s"] == pytest.approx(
+        done["audio_received_s"], abs=0.003
+    )
+    assert done["transcribed_s"] + done["failed_s"] == pytest.approx(done["speech_s"], abs=0.003)
+    if not [e for e in outcome.of_type("error") if e["code"] == "decode_failed"]:
+        assert done["failed_s"] == 0
 
 
 @contextlib.asynccontextmanager
@@ -437,20 +471,7 @@ async def test_a_client_that_never_reads_is_dropped_not_the_server() -> None:
     async with scripted_server(
         max_pending_messages=8, write_limit_bytes=1024, close_timeout_s=0.5
     ) as srv:
-        # A small receive buffer (set before connecting, so the window is small from the
-        # start) and no reading: the server's messages pile up on its side.
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", srv.port))
-        async with connect(stream_url(srv.url), sock=sock, max_queue=1) as ws:
-            with contextlib.suppress(ConnectionClosed):
-                for _ in range(20_000):  # each one earns an error message it never reads
-                    await ws.send("x")
-            # Now read: what the server managed to send, then the end of the connection.
-            with contextlib.suppress(ConnectionClosed):
-                async for _ in ws:
-                    pass
-        assert ws.close_code in (1006, 1008)
+        assert await never_read(srv.port, stream_url(srv.url)) in (1006, 1008)
         page = srv.metrics.render()
         assert metric_value(page, 'whisperwire_errors_total{code="slow_client"}') == 1
         # The server is fine and serves the next client.
@@ -495,3 +516,453 @@ async def test_tls(tmp_path: Path) -> None:
         context = ssl.create_default_context(cafile=str(cert))
         async with connect(stream_url(srv.url), ssl=context) as ws:
             assert json.loads(await ws.recv())["type"] == "ready"
+
+
+# --------------------------------------------------------------------------- bad input, abuse
+#
+# These run on servers with the scripted engine. A "well-behaved" stream sends its speech as one
+# frame: the session hears it all at once, so its segments, windows and the scripted engine's
+# words do not depend on timing, and what it gets back can be compared exactly with a run alone.
+
+COMPANION_CLIP = "librispeech_test-clean/1089-134691-0001.wav"  # 5.4 s, two VAD segments
+FUZZ_FRAME_BYTES = 256 * 1024  # the fuzz server's frame limit: above one well-behaved frame
+
+
+def one_frame(audio: Float32Array, silence_s: float = 1.5) -> bytes:
+    """Speech and trailing silence (enough to end the last segment) as one pcm_s16le frame."""
+    silence = np.zeros(round(silence_s * SAMPLE_RATE_HZ), dtype=np.float32)
+    return pcm_s16le_bytes(np.concatenate([audio, silence]))
+
+
+def without_timing(outcome: StreamOutcome) -> list[dict[str, Any]]:
+    """The messages after ``ready`` (which names the session) without the wall-clock field."""
+    return [{k: v for k, v in m.items() if k != "session_s"} for m in outcome.messages[1:]]
+
+
+async def read_until_closed(ws: ClientConnection, messages: list[dict[str, Any]]) -> None:
+    with contextlib.suppress(ConnectionClosed):
+        async for raw in ws:
+            messages.append(json.loads(raw))
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def fuzz_server() -> AsyncIterator[WhisperwireServer]:
+    async with scripted_server(max_frame_bytes=FUZZ_FRAME_BYTES, max_sessions=64) as srv:
+        yield srv
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def companion(
+    fuzz_server: WhisperwireServer, speech_dir: Path
+) -> tuple[bytes, list[dict[str, Any]]]:
+    """The well-behaved stream's frame and what it gets when it is alone on the server."""
+    frame = one_frame(load_clip(speech_dir / COMPANION_CLIP))
+    alone = await asyncio.wait_for(stream_frames(stream_url(fuzz_server.url), [frame]), WAIT_S)
+    check_message_shapes(alone)
+    assert alone.of_type("final") and not alone.of_type("error")
+    return frame, without_timing(alone)
+
+
+_wire_binary = st.one_of(
+    st.binary(max_size=64),  # random bytes: odd counts, and noise as s16
+    st.integers(FUZZ_FRAME_BYTES - 2, FUZZ_FRAME_BYTES + 2).map(bytes),  # at the frame limit
+    st.lists(st.floats(width=32), min_size=1, max_size=16).map(
+        lambda xs: np.asarray(xs, dtype="<f4").tobytes()  # NaN, inf, out of range as f32
+    ),
+)
+_wire_text = st.one_of(
+    st.text(max_size=40),
+    st.sampled_from(
+        [
+            '{"type":"flush"}',
+            '{"type":"bogus"}',
+            '{"type":"end","now":true}',
+            '{"type":"config","sample_rate":8000}',
+            '{"type":"config","sample_rate":44100,"encoding":"pcm_f32le"}',
+            '{"type":"config","encoding":"pcm_f32le"}',
+            '{"type":"config","sample_rate":96000}',
+            '{"type":"config","sample_rate":"16000"}',
+            '{"type":"config","language":"de"}',
+            '{"type":"config","task":"translate"}',
+        ]
+    ),
+    st.integers(1, 3000).map(lambda depth: "[" * depth + "]" * depth),
+    st.integers(-4, 4).map(lambda d: '{"type":"flush","x":"' + "a" * (MAX_TEXT_MESSAGE_BYTES + d)),
+)
+# ("speech", k): 0.5 s of real speech from k * 0.5 s, in the stream's current format
+_wire_speech = st.tuples(st.just("speech"), st.integers(0, 9))
+_wire_kinds = (_wire_speech, _wire_speech, _wire_text, _wire_binary)
+_wire_frames = st.lists(
+    st.integers(0, len(_wire_kinds) - 1).flatmap(lambda k: _wire_kinds[k]), max_size=12
+)
+
+
+def _speech_frame(clip: Float32Array, k: int, session: Session) -> bytes:
+    samples = clip[k * 8000 : (k + 1) * 8000]
+    if session.audio_format.encoding == "pcm_f32le":
+        return np.asarray(samples, dtype="<f4").tobytes()
+    return pcm_s16le_bytes(samples)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(frames=_wire_frames)
+async def test_random_frames_get_documented_errors_and_spare_other_sessions(
+    fuzz_server: WhisperwireServer,
+    companion: tuple[bytes, list[dict[str, Any]]],
+    speech_dir: Path,
+    frames: list[object],
+) -> None:
+    clip = load_clip(speech_dir / COMPANION_CLIP)
+    # The sans-I/O core says what the server must answer to each frame: an identical session,
+    # fed the same frames, is the oracle.
+    oracle = Session(
+        "oracle", ScriptedEngine(), streaming=StreamingConfig(max_frame_bytes=FUZZ_FRAME_BYTES)
+    )
+    wire: list[bytes | str] = []
+    expected: list[tuple[str, bool]] = []
+    close_code = 1000
+    for frame in frames:
+        if isinstance(frame, tuple):
+            frame = _speech_frame(clip, frame[1], oracle)
+        assert isinstance(frame, (bytes, str))
+        wire.append(frame)
+        try:
+            if isinstance(frame, bytes):
+                oracle.receive_audio(frame)
+            else:
+                oracle.receive_text(frame)
+        except StreamError as exc:
+            expected.append((exc.code, exc.close_code is not None))
+            if exc.close_code is not None:
+                close_code = exc.close_code
+                break
+    url = stream_url(fuzz_server.url)
+    frame, alone = companion
+    fuzzed, alongside = await asyncio.wait_for(
+        asyncio.gather(
+            stream_frames(url, wire, end=close_code == 1000), stream_frames(url, [frame])
+        ),
+        WAIT_S,
+    )
+    errors = fuzzed.of_type("error")
+    assert [(e["code"], e["fatal"]) for e in errors] == expected
+    assert all(e["message"] for e in errors)
+    assert fuzzed.close_code == close_code
+    if close_code == 1000:
+        check_message_shapes(fuzzed)
+    else:
+        assert fuzzed.messages[-1] == errors[-1]  # a fatal error, then the close
+    assert without_timing(alongside) == alone  # the other session saw nothing of it
+    assert fuzz_server.metrics.errors.value("internal") == 0
+
+
+async def test_flush_right_after_speech_starts_then_end_gets_done(speech_dir: Path) -> None:
+    # A flush just after the onset leaves an empty segment behind the flushed one; done used to
+    # wait for it forever (found by the session fuzz test).
+    speech = pcm_s16le_bytes(load_clip(speech_dir / COMPANION_CLIP)[:7000])
+    async with scripted_server() as srv:
+        outcome = await asyncio.wait_for(
+            stream_frames(stream_url(srv.url), [speech, '{"type": "flush"}']), 10
+        )
+    assert outcome.of_type("speech_started")
+    check_message_shapes(outcome)
+
+
+async def test_a_connection_flood_is_refused_and_the_admitted_sessions_finish(
+    speech_dir: Path,
+) -> None:
+    frame = one_frame(load_clip(speech_dir / COMPANION_CLIP))
+    async with scripted_server(max_sessions=4) as srv:
+        url = stream_url(srv.url)
+        alone = without_timing(await asyncio.wait_for(stream_frames(url, [frame]), WAIT_S))
+        async with contextlib.AsyncExitStack() as stack:
+            admitted = [await stack.enter_async_context(connect(url)) for _ in range(4)]
+            for ws in admitted:
+                assert json.loads(await ws.recv())["type"] == "ready"
+
+            async def extra() -> tuple[dict[str, Any], int | None]:
+                async with connect(url) as ws:
+                    message = json.loads(await ws.recv())
+                    await read_until_closed(ws, [])
+                return message, ws.close_code
+
+            refused = await asyncio.wait_for(asyncio.gather(*(extra() for _ in range(40))), WAIT_S)
+            for message, code in refused:
+                assert (message["code"], message["fatal"], code) == ("server_full", True, 1013)
+
+            async def finish(ws: ClientConnection) -> StreamOutcome:
+                messages = [{"type": "ready"}]
+                await ws.send(frame)
+                await ws.send('{"type": "end"}')
+                await read_until_closed(ws, messages)
+                return StreamOutcome(messages, ws.close_code, ws.close_reason)
+
+            outcomes = await asyncio.wait_for(asyncio.gather(*map(finish, admitted)), WAIT_S)
+        for outcome in outcomes:
+            assert without_timing(outcome) == alone
+        page = srv.metrics.render()
+        assert metric_value(page, 'whisperwire_sessions_refused_total{reason="server_full"}') == 40
+        # The flood is over: the server serves again.
+        after = await asyncio.wait_for(stream_frames(url, [frame]), WAIT_S)
+        assert without_timing(after) == alone
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        pytest.param(b"GET /v1/stream?x=" + b"a" * 100_000 + b" HTTP/1.1\r\n\r\n", id="url"),
+        pytest.param(
+            b"GET /v1/stream HTTP/1.1\r\nX-Big: " + b"b" * 100_000 + b"\r\n\r\n", id="header"
+        ),
+        pytest.param(
+            b"GET /v1/stream HTTP/1.1\r\n"
+            + b"".join(b"X-%d: y\r\n" % i for i in range(2000))
+            + b"\r\n",
+            id="many-headers",
+        ),
+    ],
+)
+async def test_an_oversized_handshake_is_refused(request_bytes: bytes) -> None:
+    async with scripted_server() as srv:
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(request_bytes)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), WAIT_S)
+        writer.close()
+        status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else None
+        assert status in (None, 400, 414, 431), answer[:100]  # refused, or just dropped
+        outcome = await asyncio.wait_for(stream_frames(stream_url(srv.url), []), WAIT_S)
+        assert outcome.messages[-1]["type"] == "done"
+
+
+async def test_a_client_that_never_completes_its_handshake_is_dropped() -> None:
+    async with scripted_server(open_timeout_s=0.5) as srv:
+        loop = asyncio.get_running_loop()
+        silent = await asyncio.open_connection("127.0.0.1", srv.port)  # sends nothing at all
+        partial = await asyncio.open_connection("127.0.0.1", srv.port)
+        partial[1].write(b"GET /v1/stream HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        started = loop.time()
+        for reader, writer in (silent, partial):
+            answer = await asyncio.wait_for(reader.read(), WAIT_S)
+            writer.close()
+            assert b"101" not in answer.split(b"\r\n", 1)[0]
+        assert loop.time() - started < 5  # dropped at the open timeout, not held open
+        outcome = await asyncio.wait_for(stream_frames(stream_url(srv.url), []), WAIT_S)
+        assert outcome.messages[-1]["type"] == "done"
+
+
+async def never_read(port: int, url: str) -> int | None:
+    """A client that asks for many messages and reads none; returns its close code."""
+    # A small receive buffer (set before connecting, so the window is small from the start)
+    # and no reading: the server's messages pile up on its side.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    async with connect(url, sock=sock, max_queue=1) as ws:
+        with contextlib.suppress(ConnectionClosed):
+            for _ in range(20_000):  # each one earns an error message it never reads
+                await ws.send("x")
+        # Now read: what the server managed to send, then the end of the connection.
+        await read_until_closed(ws, [])
+    return ws.close_code
+
+
+async def test_many_clients_that_never_read_are_dropped_and_others_are_served(
+    speech_dir: Path,
+) -> None:
+    frame = one_frame(load_clip(speech_dir / COMPANION_CLIP))
+    async with scripted_server(
+        max_pending_messages=8, write_limit_bytes=1024, close_timeout_s=0.5
+    ) as srv:
+        url = stream_url(srv.url)
+        alone = without_timing(await asyncio.wait_for(stream_frames(url, [frame]), WAIT_S))
+        slow = [never_read(srv.port, url) for _ in range(4)]
+        *codes, alongside = await asyncio.wait_for(
+            asyncio.gather(*slow, stream_frames(url, [frame])), WAIT_S
+        )
+        assert all(code in (1006, 1008) for code in codes), codes
+        assert without_timing(alongside) == alone
+        page = srv.metrics.render()
+        assert metric_value(page, 'whisperwire_errors_total{code="slow_client"}') == 4
+        assert metric_value(page, 'whisperwire_errors_total{code="internal"}') == 0
+        after = await asyncio.wait_for(stream_frames(url, [frame]), WAIT_S)
+        assert without_timing(after) == alone
+
+
+# --------------------------------------------------------------------------- faults, overload
+
+
+def peak(window: Window) -> float:
+    return float(np.max(np.abs(window.mel), initial=0.0))  # the scripted "mel" is the audio
+
+
+class PeakRecordingEngine(ScriptedEngine):
+    """The scripted engine, recording the peak level of every window of every engine call."""
+
+    def __init__(self, fail_when: Callable[[Window], bool]) -> None:
+        super().__init__(fail_when)
+        self.peaks: list[list[float]] = []
+
+    def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
+        self.peaks.append([peak(w) for w in windows])
+        return super().decode_windows(windows)
+
+
+async def test_a_failing_decode_fails_only_its_session_in_a_shared_batch(
+    speech_dir: Path,
+) -> None:
+    clip = load_clip(speech_dir / COMPANION_CLIP)
+    quiet = one_frame(clip * (0.5 / float(np.max(np.abs(clip)))))
+    loud = one_frame(clip * (0.99 / float(np.max(np.abs(clip)))))
+    # The engine raises for any batch holding a window louder than 0.9: the loud client's.
+    engine = PeakRecordingEngine(fail_when=lambda w: peak(w) > 0.9)
+    async with scripted_server(engine) as srv:
+        url = stream_url(srv.url)
+        alone = without_timing(await asyncio.wait_for(stream_frames(url, [quiet]), WAIT_S))
+        # Hold the worker inside a decode, so both clients' windows queue behind it and go
+        # into the next engine call together.
+        engine.release.clear()
+        engine.entered.clear()
+        gate = asyncio.ensure_future(stream_frames(url, [quiet]))
+        assert await asyncio.to_thread(engine.entered.wait, WAIT_S)
+        calls_before = len(engine.peaks)
+        both = asyncio.ensure_future(
+            asyncio.gather(stream_frames(url, [loud]), stream_frames(url, [quiet]))
+        )
+        async with asyncio.timeout(WAIT_S):
+            while srv.pipeline.queued < 2:  # both windows are in the queue
+                await asyncio.sleep(0.01)
+        engine.release.set()
+        (failing, sharing), gated = await asyncio.wait_for(asyncio.gather(both, gate), WAIT_S)
+        # The engine call after the gate held both clients' windows, and raised.
+        shared = engine.peaks[calls_before]
+        assert any(p > 0.9 for p in shared) and any(p <= 0.9 for p in shared), shared
+        # The client whose windows fail is told so, non-fatally, each time its windows are
+        # retried; after MAX_DECODE_FAILURES a segment is given up and reported as failed.
+        errors = failing.of_type("error")
+        segments = len(failing.of_type("speech_started"))
+        assert [e["code"] for e in errors] == ["decode_failed"] * MAX_DECODE_FAILURES * segments
+        assert not any(e["fatal"] for e in errors)
+        check_message_shapes(failing)
+        done = failing.messages[-1]
+        assert done["failed_s"] == done["speech_s"] > 0 and done["transcribed_s"] == 0
+        # The session in the same batch, and the one before it, got exactly their results.
+        assert without_timing(sharing) == alone
+        assert without_timing(gated) == alone
+        # The worker goes on serving.
+        after = await asyncio.wait_for(stream_frames(url, [quiet]), WAIT_S)
+        assert without_timing(after) == alone
+        assert srv.metrics.errors.value("internal") == 0
+
+
+class SlowEngine(ScriptedEngine):
+    """The scripted engine with a fixed cost per engine call, to overload the server."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
+        time.sleep(self.delay_s)  # runs on the decode thread, like a real decode
+        return super().decode_windows(windows)
+
+
+async def test_an_overloaded_server_falls_behind_and_reports_it_without_dropping_audio(
+    speech_dir: Path,
+) -> None:
+    # 45 s of continuous speech per client, sent back to back: it arrives in about a second,
+    # while every engine call takes 0.25 s.
+    audio = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
+    frames = pcm_frames(audio[: 45 * SAMPLE_RATE_HZ])
+    async with scripted_server(SlowEngine(delay_s=0.25)) as srv:
+        url = stream_url(srv.url)
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(stream_frames(url, frames) for _ in range(2))), WAIT_S
+        )
+    for outcome in outcomes:
+        assert not outcome.of_type("error")
+        check_message_shapes(outcome)
+        check_nothing_lost(outcome, sent_s=45.0)
+        done = outcome.messages[-1]
+        assert done["speech_s"] > 40 and done["transcribed_s"] == done["speech_s"]
+        lags = [m["lag_s"] for m in outcome.of_type("final")]
+        assert max(lags) > 10, lags  # it fell behind and said so
+        assert lags[-1] < max(lags)  # and caught up
+
+
+async def test_sigterm_under_load_delivers_every_final(
+    speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    """The real CLI server with the real model, SIGTERM while three clients stream."""
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "server.cli", "--port", "0", "--log-level", "info"),
+        cwd=REPO,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    stderr: list[str] = []
+    try:
+        url = ""
+        async with asyncio.timeout(WAIT_S):
+            while not url:
+                line = (await process.stderr.readline()).decode()
+                assert line, "the server exited before listening:\n" + "".join(stderr)
+                stderr.append(line)
+                if "listening on " in line:
+                    url = line.rsplit("listening on ", 1)[1].strip()
+        drain = asyncio.ensure_future(process.stderr.read())
+        files = SIGTERM_CLIPS
+        halfway = [asyncio.Event() for _ in files]
+        go = asyncio.Event()
+
+        async def client(file: str, reached: asyncio.Event) -> StreamOutcome:
+            frames = pcm_frames(load_clip(speech_dir / file))
+            half = len(frames) // 2
+            async with connect(stream_url(url)) as ws:
+                messages = [json.loads(await ws.recv())]
+                reader = asyncio.ensure_future(read_until_closed(ws, messages))
+                with contextlib.suppress(ConnectionClosed):
+                    for frame in frames[:half]:
+                        await ws.send(frame)
+                    reached.set()
+                    await go.wait()
+                    for frame in frames[half:]:  # streams on (5x real time) while the
+                        await ws.send(frame)  # server finishes: it stops taking audio
+                        await asyncio.sleep(0.02)
+                await reader
+            return StreamOutcome(messages, ws.close_code, ws.close_reason)
+
+        clients = asyncio.gather(*(client(f, e) for f, e in zip(files, halfway, strict=True)))
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in halfway)), WAIT_S)
+        process.send_signal(signal.SIGTERM)
+        go.set()
+        outcomes = await asyncio.wait_for(clients, WAIT_S * 2)
+        returncode = await asyncio.wait_for(process.wait(), WAIT_S)
+        stderr.append((await drain).decode())
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    log = "".join(stderr)
+    assert returncode == 0, log[-2000:]
+    assert "Traceback" not in log
+    sent_s = [load_clip(speech_dir / f).shape[0] / SAMPLE_RATE_HZ for f in files]
+    received_s = [o.messages[-1]["audio_received_s"] for o in outcomes]
+    assert any(r < s - 1.0 for r, s in zip(received_s, sent_s, strict=True)), "not mid-stream"
+    for file, outcome in zip(files, outcomes, strict=True):
+        assert outcome.close_code == 1001, (file, outcome.messages[-3:])
+        assert not outcome.of_type("error")
+        check_nothing_lost(outcome)  # every accepted second of speech is in the finals
+        done = outcome.messages[-1]
+        assert done["speech_s"] > 0.5 and done["transcribed_s"] == done["speech_s"]
+        words = normalize(outcome.text).split()
+        ref_words = normalize(reference(manifest, file)).split()
+        assert len(words) >= 3, outcome.text
+        assert wer(" ".join(ref_words[: len(words)]), " ".join(words)) <= MAX_WER_CLIP, file

@@ -51,6 +51,9 @@ SERVER_MESSAGES: list[ServerMessage] = [
     ErrorMessage("protocol_error", "invalid JSON", fatal=False, audio_received_s=1.0),
     ErrorMessage("bad_audio", "odd byte count", fatal=True, audio_received_s=1.0),
     DoneMessage(segments=3, audio_received_s=10.435, speech_s=9.2, session_s=10.9),
+    PartialMessage(1, " so", 0.5, 0.9, 1.3, lag_s=0.412),
+    FinalMessage(2, " so", 0.5, 0.9, (), 1.3, lag_s=12.25),
+    DoneMessage(3, 10.435, 9.2, 10.9, non_speech_s=1.235, transcribed_s=8.7, failed_s=0.5),
 ]
 
 
@@ -89,6 +92,22 @@ def test_nan_time_is_refused_when_encoding() -> None:
 def test_server_parser_ignores_unknown_fields() -> None:
     text = '{"type":"speech_started","start":1.5,"audio_received_s":2,"extra":[1,2]}'
     assert parse_server_message(text) == SpeechStartedMessage(1.5, 2.0)
+
+
+def test_fields_added_within_v1_are_optional_both_ways() -> None:
+    # A server from before lag_s and the done accounting: its messages still parse.
+    old_done = '{"type":"done","segments":1,"audio_received_s":2,"speech_s":1,"session_s":3}'
+    assert parse_server_message(old_done) == DoneMessage(1, 2.0, 1.0, 3.0)
+    old_partial = (
+        '{"type":"partial","segment_id":0,"text":"a","start":0,"end":1,"audio_received_s":1}'
+    )
+    assert parse_server_message(old_partial) == PartialMessage(0, "a", 0.0, 1.0, 1.0, None)
+    # Unset, they are left out of the JSON rather than sent as null.
+    assert "lag_s" not in json.loads(PartialMessage(0, "a", 0.0, 1.0, 1.0).to_json())
+    obj = json.loads(DoneMessage(1, 2.0, 1.5, 3.0, 0.5, 1.0, 0.5).to_json())
+    assert (obj["non_speech_s"], obj["transcribed_s"], obj["failed_s"]) == (0.5, 1.0, 0.5)
+    with pytest.raises(ProtocolError, match="'lag_s' must be a number"):
+        parse_server_message(old_partial[:-1] + ',"lag_s":"1"}')
 
 
 def test_server_parser_refuses_another_protocol_version() -> None:

@@ -7,29 +7,47 @@ the clock, see ``bench/simulate.py``), and the finals are held against the offli
 from __future__ import annotations
 
 import csv
+import dataclasses
+import json
+from functools import lru_cache
 from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import event as note_event
+from hypothesis import strategies as st
 
 from bench.simulate import SimulationResult, simulate
 from server.audio import pcm_s16le_bytes
 from server.config import SAMPLE_RATE_HZ, StreamingConfig
 from server.engine.offline import transcribe_audio
-from server.errors import AudioFormatError, FrameTooLargeError, ProtocolError
+from server.errors import (
+    AudioFormatError,
+    DecodeError,
+    FrameTooLargeError,
+    ProtocolError,
+    StreamError,
+)
 from server.messages import (
+    MAX_TEXT_MESSAGE_BYTES,
     DoneMessage,
+    ErrorMessage,
     FinalMessage,
     PartialMessage,
+    ServerMessage,
+    SpeechEndedMessage,
     SpeechStartedMessage,
+    parse_server_message,
 )
-from server.session import DecodeJob, Session
-from tests.helpers import load_clip, normalize, wer
+from server.session import MAX_DECODE_FAILURES, DecodeJob, Session
+from tests.helpers import ScriptedEngine, find_speech_dir, load_clip, normalize, wer
 
 if TYPE_CHECKING:
-    from server.engine.engine import Engine
+    from server.engine.decoder import DecodeResult
+    from server.engine.engine import Engine, Window
 
 WER_MARGIN = 0.02  # streamed finals may be at most 2 points (absolute) worse than offline
 
@@ -213,3 +231,302 @@ def test_english_only_model_refuses_other_languages(engine: Engine) -> None:
     session = _session(engine)
     with pytest.raises(ProtocolError, match="English-only"):
         session.receive_text('{"type": "config", "language": "de"}')
+
+
+# --------------------------------------------------------------------------- nothing lost
+#
+# The scripted test-double engine (instant, deterministic) stands in for the model here: these
+# tests are about where audio goes, not about recognition.
+
+
+def _scripted_decode(engine: ScriptedEngine, job: DecodeJob) -> DecodeResult:
+    from server.engine.engine import Window
+
+    window = Window(engine.features(job.audio), job.audio_s, job.options, job.prompt, job.prefix)
+    return engine.decode_windows([window])[0]
+
+
+def _check_accounting(done: DoneMessage, *, resampled: bool = False) -> None:
+    """What ``done`` promises: every second received is speech or not, and every second of
+    speech is transcribed or reported as failed."""
+    assert done.non_speech_s is not None and done.transcribed_s is not None
+    assert done.failed_s is not None
+    assert done.non_speech_s >= 0 and done.transcribed_s >= 0 and done.failed_s >= 0
+    tolerance = 0.01 if resampled else 1e-6  # soxr may round the stream by a sample or two
+    assert done.speech_s + done.non_speech_s == pytest.approx(done.audio_received_s, abs=tolerance)
+    assert done.transcribed_s + done.failed_s == pytest.approx(done.speech_s, abs=1e-6)
+
+
+def test_a_stream_that_falls_behind_loses_no_audio(speech_dir: Path) -> None:
+    """Audio that arrives while a decode is in flight waits; none is skipped. (A stream more
+    than max_window_s behind used to be cut at the window limit, skipping what lay before.)"""
+    engine = ScriptedEngine()
+    speech = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
+    pcm = pcm_s16le_bytes(speech[: 40 * SAMPLE_RATE_HZ])
+    session = Session("behind", engine)
+    session.receive_audio(pcm[:12_800])  # 0.4 s: the first decode is dispatched at once
+    first = session.next_job()
+    assert first is not None
+    for i in range(12_800, len(pcm), 32_000):  # the rest arrives while that decode runs
+        session.receive_audio(pcm[i : i + 32_000])
+    assert session.lag_s > 30
+    session.receive_result(first, _scripted_decode(engine, first))
+    session.receive_text('{"type": "end"}')
+    windows = [(first.start_s, first.start_s + first.audio_s)]
+    while (job := session.next_job()) is not None:
+        windows.append((job.start_s, job.start_s + job.audio_s))
+        session.receive_result(job, _scripted_decode(engine, job))
+    events = session.events_to_send()
+    for (_, end), (start, _) in pairwise(windows):
+        assert start <= end + 1e-9, f"audio {end:.2f}-{start:.2f} s was never decoded: {windows}"
+    [done] = [e for e in events if isinstance(e, DoneMessage)]
+    _check_accounting(done)
+    assert done.failed_s == 0 and done.transcribed_s == pytest.approx(done.speech_s)
+    assert done.speech_s > 35
+    finals = [e for e in events if isinstance(e, FinalMessage)]
+    # The lag is reported while the stream catches up, and shrinks to nothing by the end.
+    assert finals[0].lag_s is not None and finals[0].lag_s > 10
+    assert finals[-1].lag_s == 0
+
+
+class EarlyEndEngine(ScriptedEngine):
+    """Hears only the first ``HEARD_S`` of a longer window, like Whisper ending a long window
+    at a sentence end although speech follows."""
+
+    HEARD_S = 4.0
+
+    def _result(self, window: Window) -> DecodeResult:
+        full = super()._result(window)
+        words = tuple(w for w in full.words if w.end_s <= self.HEARD_S)
+        return dataclasses.replace(
+            full, words=words, tokens=tuple(t for w in words for t in w.tokens)
+        )
+
+
+def test_speech_after_an_early_end_of_text_is_decoded_again(speech_dir: Path) -> None:
+    engine = EarlyEndEngine()
+    session = Session("early", engine)
+    clip = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")[
+        : 12 * SAMPLE_RATE_HZ
+    ]
+    silence = np.zeros(2 * SAMPLE_RATE_HZ, dtype=np.float32)
+    session.receive_audio(pcm_s16le_bytes(np.concatenate([clip, silence])))  # all at once
+    session.receive_text('{"type": "end"}')
+    while (job := session.next_job()) is not None:
+        session.receive_result(job, _scripted_decode(engine, job))
+    events = session.events_to_send()
+    ends = [e.end for e in events if isinstance(e, SpeechEndedMessage)]
+    finals = [e for e in events if isinstance(e, FinalMessage)]
+    assert max(b - a for a, b in pairwise([0.0, *ends])) > 2 * EarlyEndEngine.HEARD_S
+    for end in ends:  # every segment's words reach to (about) its end
+        last_word = max(f.end for f in finals if f.end <= end)
+        assert end - last_word < 1.5, (end, [(f.start, f.end) for f in finals])
+
+
+def test_speech_given_up_after_failed_decodes_is_reported(speech_dir: Path) -> None:
+    engine = ScriptedEngine()
+    session = Session("failing", engine)
+    clip = load_clip(speech_dir / "librispeech_test-clean/1089-134691-0001.wav")
+    silence = np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)
+    session.receive_audio(pcm_s16le_bytes(np.concatenate([clip, silence, clip, silence])))
+    session.receive_text('{"type": "end"}')
+    failures = 0
+    while (job := session.next_job()) is not None:
+        if failures < MAX_DECODE_FAILURES:  # the first segment fails every time
+            failures += 1
+            session.receive_failure(job, DecodeError("scripted failure"))
+        else:
+            session.receive_result(job, _scripted_decode(engine, job))
+    events = session.events_to_send()
+    errors = [e for e in events if isinstance(e, ErrorMessage)]
+    assert [e.code for e in errors] == ["decode_failed"] * MAX_DECODE_FAILURES
+    assert not any(e.fatal for e in errors)
+    [done] = [e for e in events if isinstance(e, DoneMessage)]
+    _check_accounting(done)
+    # The first clip's segment is given up, the second transcribed.
+    assert done.failed_s == pytest.approx(done.speech_s / 2, abs=0.3)
+    assert done.transcribed_s == pytest.approx(done.speech_s / 2, abs=0.3)
+    assert [f.segment_id for f in events if isinstance(f, FinalMessage)] == [0]
+
+
+# --------------------------------------------------------------------------- fuzzing
+#
+# Random sequences of binary frames, text messages and decode outcomes through one Session:
+# the only exceptions out are the documented StreamErrors with their codes and close codes,
+# and at the end every accepted second of audio is accounted for.
+
+FUZZ_MAX_FRAME_BYTES = 4096  # small, so oversized frames cost nothing to make
+DOCUMENTED_CLOSE_CODES: dict[type[StreamError], set[int | None]] = {
+    ProtocolError: {None, 1008},
+    AudioFormatError: {1003},
+    FrameTooLargeError: {1009},
+}
+
+
+@lru_cache(maxsize=1)
+def _fuzz_speech() -> np.ndarray:
+    found = find_speech_dir()
+    if found is None:  # the fuzz still runs, with noise for "speech"
+        return np.random.default_rng(0).uniform(-0.5, 0.5, 5 * SAMPLE_RATE_HZ).astype(np.float32)
+    return load_clip(found / "librispeech_test-clean/1089-134691-0001.wav")
+
+
+def _float_bytes(values: list[float]) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+_binary_frames = st.one_of(
+    st.binary(max_size=64),  # random bytes, odd and even counts
+    st.binary(min_size=1, max_size=3),  # truncated samples
+    st.integers(FUZZ_MAX_FRAME_BYTES - 4, FUZZ_MAX_FRAME_BYTES + 8).map(bytes),  # at the limit
+    st.lists(st.floats(width=32), max_size=16).map(_float_bytes),  # NaN, inf, out of range
+)
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=8,
+)
+_config = st.fixed_dictionaries(
+    {"type": st.just("config")},
+    optional={
+        "sample_rate": st.sampled_from([8000, 16000, 44100, 48000, 7999, 96000, 0, -1])
+        | _json_values,
+        "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "mp3"]) | _json_values,
+        "language": st.sampled_from(["en", "auto", "de", None]) | _json_values,
+        "task": st.sampled_from(["transcribe", "translate"]) | _json_values,
+    },
+).map(json.dumps)
+_texts = st.one_of(
+    st.text(max_size=40),  # mostly not JSON
+    _json_values.map(json.dumps),  # JSON, mostly not an object
+    st.dictionaries(st.sampled_from(["type", "x"]), _json_values).map(json.dumps),
+    st.sampled_from(["flush", "end", "bogus", "partial", "done", ""]).map(
+        lambda t: json.dumps({"type": t})
+    ),
+    _config,
+    st.integers(1, 3000).map(lambda depth: "[" * depth + "]" * depth),  # deeply nested
+    st.integers(-8, 8).map(lambda d: '{"type":"flush","x":"' + "a" * (MAX_TEXT_MESSAGE_BYTES + d)),
+)
+# ("speech", offset, frames): that many frames of real speech, 1000 samples each (under the
+# frame limit in either encoding), in the session's current format, from ``offset``.
+_speech = st.tuples(st.just("speech"), st.integers(0, 60_000), st.integers(1, 40))
+_outcomes = st.sampled_from(["result", "failure"])  # settles the decode in flight, if any
+# Speech and decode outcomes are drawn more often than bad frames, so that many sequences get
+# through to segments, failures and ``done`` before something fatal ends them. (``one_of``
+# would flatten the nested ``one_of``s into equally likely branches.)
+_ACTION_KINDS = (_speech,) * 4 + (_outcomes,) * 3 + (_texts,) * 2 + (_binary_frames,)
+_actions = st.lists(
+    st.integers(0, len(_ACTION_KINDS) - 1).flatmap(lambda k: _ACTION_KINDS[k]), max_size=30
+)
+
+
+def _speech_frames(session: Session, offset: int, frames: int) -> list[bytes]:
+    clip = _fuzz_speech()
+    out = []
+    for k in range(frames):
+        samples = clip[(offset + 1000 * k) % clip.size :][:1000]
+        if session.audio_format.encoding == "pcm_f32le":
+            out.append(_float_bytes(samples.tolist()))
+        else:
+            out.append(pcm_s16le_bytes(samples))
+    return out
+
+
+def _expected_audio_error(session: Session, frame: bytes) -> type[StreamError] | None:
+    """What the protocol says of this frame, worked out from the bytes alone."""
+    if session.ended:
+        return ProtocolError  # audio after end, 1008
+    if len(frame) > FUZZ_MAX_FRAME_BYTES:
+        return FrameTooLargeError
+    width = session.audio_format.bytes_per_sample
+    if len(frame) % width:
+        return AudioFormatError
+    if width == 4 and not np.isfinite(np.frombuffer(frame, dtype="<f4")).all():
+        return AudioFormatError
+    return None
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_actions, st.booleans())
+def test_random_input_gives_only_documented_errors_and_loses_nothing(
+    actions: list[object], early_end: bool
+) -> None:
+    engine = EarlyEndEngine() if early_end else ScriptedEngine()
+    session = Session(
+        "fuzz", engine, streaming=StreamingConfig(max_frame_bytes=FUZZ_MAX_FRAME_BYTES)
+    )
+    events: list[ServerMessage] = []
+    accepted_s = 0.0
+    resampled = False
+    failed_decodes = 0
+    job: DecodeJob | None = None
+    fatal: StreamError | None = None
+    steps: list[object] = []
+    for action in actions:
+        is_speech = isinstance(action, tuple)
+        steps += _speech_frames(session, action[1], action[2]) if is_speech else [action]
+    for action in steps:
+        expected: type[StreamError] | None = None
+        try:
+            if isinstance(action, bytes):
+                expected = _expected_audio_error(session, action)
+                fmt = session.audio_format
+                session.receive_audio(action)
+                accepted_s += len(action) / fmt.bytes_per_sample / fmt.sample_rate_hz
+                resampled = resampled or fmt.sample_rate_hz != SAMPLE_RATE_HZ
+            elif isinstance(action, str) and action in ("result", "failure"):
+                if job is not None:
+                    if action == "result":
+                        session.receive_result(job, _scripted_decode(engine, job))
+                    else:
+                        failed_decodes += 1
+                        session.receive_failure(job, DecodeError("scripted failure"))
+                    job = None
+            else:
+                assert isinstance(action, str)
+                session.receive_text(action)
+            assert expected is None, f"{expected.__name__} expected, nothing raised"
+        except StreamError as exc:
+            assert type(exc) in DOCUMENTED_CLOSE_CODES, repr(exc)
+            assert exc.close_code in DOCUMENTED_CLOSE_CODES[type(exc)], repr(exc)
+            assert str(exc) and len(str(exc)) < 300
+            if isinstance(action, bytes):
+                assert type(exc) is expected, (repr(exc), expected)
+            if exc.close_code is not None:
+                fatal = exc  # the connection closes next: nothing more reaches the session
+                break
+        if job is None:
+            job = session.next_job()  # the driver asks for work after every input
+        events += session.events_to_send()
+    if fatal is None:
+        if not session.ended:
+            session.receive_text('{"type": "end"}')
+        while True:  # the decodes still owed finish, as they would in the pipeline
+            job = job or session.next_job()
+            events += session.events_to_send()
+            if job is None:
+                break
+            session.receive_result(job, _scripted_decode(engine, job))
+            job = None
+        assert session.done
+    for event in events:
+        assert parse_server_message(event.to_json()) is not None  # valid on the wire
+        assert event.audio_received_s <= accepted_s + 1e-6
+        if isinstance(event, (PartialMessage, FinalMessage)):
+            assert event.lag_s is not None and event.lag_s >= 0
+    finals = [e for e in events if isinstance(e, FinalMessage)]
+    assert [f.segment_id for f in finals] == list(range(len(finals)))
+    done = [e for e in events if isinstance(e, DoneMessage)]
+    note_event(f"fatal: {fatal.code if fatal else None}")  # --hypothesis-show-statistics
+    if done:
+        note_event(f"speech: {done[0].speech_s > 0}, given up: {bool(done[0].failed_s)}")
+    if fatal is not None and not done:
+        return  # a fatal error before end: the connection closes without done
+    # Only audio after end is fatal once done is out, and it changes nothing.
+    assert fatal is None or fatal.close_code == 1008
+    assert len(done) == 1 and events[-1] is done[0]
+    assert done[0].audio_received_s == pytest.approx(accepted_s, abs=1e-6)
+    assert done[0].segments == len(finals)
+    _check_accounting(done[0], resampled=resampled)
+    if not failed_decodes:
+        assert done[0].failed_s == 0
