@@ -223,5 +223,20 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_OK
 
 
+def run() -> None:
+    """The console entry point: ``main``, then a hard exit.
+
+    The decode thread owns MLX, and MLX's per-thread state can abort the interpreter's
+    teardown ("terminate called without an active exception", exit status 134 in about half
+    of our runs) after the server has already shut down cleanly. Nothing is left to clean up
+    by then, so the process leaves with ``main``'s status without running that teardown.
+    """
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -68,7 +68,7 @@ class StreamingConfig:
     language: str | None = "en"  # None: detect (multilingual models only)
     task: str = "transcribe"
     min_new_audio_ms: int = 300  # re-decode once this much new speech arrived
-    first_decode_ms: int = 300  # the first decode of a segment waits for this much speech
+    first_decode_ms: int = 200  # decode cadence of a segment until it shows its first word
     max_window_s: float = 15.0  # cut the window at a committed boundary beyond this
     clause_cut_s: float = 6.0  # past this, also cut after a committed comma, colon or semicolon
     agreement_n: int = 2  # LocalAgreement-n: words agreed by n consecutive decodes are final

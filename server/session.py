@@ -63,7 +63,9 @@ CLAUSE_END = (",", ";", ":", "，", "；", "：")
 MIN_CUT_WINDOW_S = 2.0  # do not cut windows shorter than this at a sentence end
 CUT_OVERLAP_WORDS = 3  # longest repeat of the pre-cut words looked for after a cut
 HOLD_LAST_WORDS = 1  # words at the end of a window that wait for more audio before committing
+SETTLED_AFTER_S = 0.4  # ...unless the window goes on this long after the last word's end
 MAX_DECODE_FAILURES = 3  # per segment, before its remaining audio is given up with an error
+FIRST_WORDS_WINDOW_S = 3.0  # a segment without words after this decodes at the usual pace
 IDLE_KEEP_S = 1.0  # audio kept while nobody speaks, for the VAD's look-back padding
 TAIL_RETRY_S = 1.0  # speech left after a closing decode's last word that is decoded again
 
@@ -292,9 +294,12 @@ class Session:
         end = seg.end if seg.end is not None else self._buffer.end
         if not closing:
             new = end - seg.decoded_to
+            # Until the segment shows a word, decode at the first-decode cadence: the time to
+            # the first word is what a listener notices most.
+            first_words = not seg.committed_tokens and not seg.tentative
             need_ms = (
                 self.streaming.first_decode_ms
-                if seg.decoded_to == seg.window_start
+                if first_words and end - seg.start < FIRST_WORDS_WINDOW_S * SAMPLE_RATE_HZ
                 else self.streaming.min_new_audio_ms
             )
             if new * 1000 < need_ms * SAMPLE_RATE_HZ:
@@ -340,7 +345,7 @@ class Session:
             self._language = result.language
         self._prompt_ok = result.stop_reason not in ("repetition", "compression")
         tail = self._tail_words(job, result)
-        committed = seg.agreement.update(tail, hold=0 if job.closing else HOLD_LAST_WORDS)
+        committed = seg.agreement.update(tail, hold=self._hold(job, tail))
         if job.closing:
             committed += seg.agreement.finalize()
         seg.tentative = seg.agreement.tentative
@@ -375,6 +380,19 @@ class Session:
             self._maybe_done()
         else:
             seg.decoded_to = seg.window_start  # retried with the next audio
+
+    def _hold(self, job: DecodeJob, tail: list[Word]) -> int:
+        """How many of the newest words must wait for another decode before they can commit.
+
+        The last word of a window may be cut off mid-way, unless the audio goes on well past
+        its end: a speaker who stopped is not kept waiting for the segment to close.
+        """
+        if job.closing:
+            return 0
+        window_end_s = job.start_s + job.audio.shape[0] / SAMPLE_RATE_HZ
+        if tail and window_end_s - tail[-1].end_s >= SETTLED_AFTER_S:
+            return 0
+        return HOLD_LAST_WORDS
 
     def _tail_words(self, job: DecodeJob, result: DecodeResult) -> list[Word]:
         """Words after the forced prefix, in stream time."""

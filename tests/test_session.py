@@ -53,9 +53,8 @@ WER_MARGIN = 0.02  # streamed finals may be at most 2 points (absolute) worse th
 
 
 def modelled_decode_cost_s(job: DecodeJob) -> float:
-    """What a decode costs tiny.en on our 2-core CPUs (encoder at >= 10 s context plus
-    tokens), as a model rather than a measurement, so window positions and text are the same
-    on every run."""
+    """What a decode costs tiny.en on our 2-core CPUs (encoder plus tokens), as a model rather
+    than a measurement, so window positions and text are the same on every run."""
     return 0.5 + 0.04 * job.audio_s
 
 
@@ -287,6 +286,77 @@ def test_a_stream_that_falls_behind_loses_no_audio(speech_dir: Path) -> None:
     # The lag is reported while the stream catches up, and shrinks to nothing by the end.
     assert finals[0].lag_s is not None and finals[0].lag_s > 10
     assert finals[-1].lag_s == 0
+
+
+class TwoWordsEngine(ScriptedEngine):
+    """Hears two words at the window start, however long the window: a speaker who stopped.
+    With ``trailing``, the last word instead always ends 0.1 s before the window does, as a
+    word still being spoken would."""
+
+    def __init__(self, trailing: bool = False) -> None:
+        super().__init__()
+        self.trailing = trailing
+
+    def _result(self, window: Window) -> DecodeResult:
+        from server.engine.words import WordTiming
+
+        full = super()._result(window)
+        last_end = window.audio_s - 0.1 if self.trailing else 0.9
+        words = (
+            WordTiming(" w0", (1000,), 0.0, 0.4, 0.9),
+            WordTiming(" w1", (1001,), max(0.5, last_end - 0.4), last_end, 0.9),
+        )
+        return dataclasses.replace(full, words=words, tokens=(1000, 1001), text=" w0 w1")
+
+
+def _stream_without_end(engine: ScriptedEngine, audio: np.ndarray) -> list[ServerMessage]:
+    """Audio in 0.1 s chunks, each decode answered at once; no ``end``, no closing silence."""
+    session = Session("open", engine)
+    events: list[ServerMessage] = []
+    for chunk in range(0, audio.shape[0], SAMPLE_RATE_HZ // 10):
+        session.receive_audio(pcm_s16le_bytes(audio[chunk : chunk + SAMPLE_RATE_HZ // 10]))
+        while (job := session.next_job()) is not None:
+            session.receive_result(job, _scripted_decode(engine, job))
+        events += session.events_to_send()
+    return events
+
+
+SPEECH_CLIP = "librispeech_test-clean/1089-134691-0000.wav"  # 2.1 s of speech, no long pause
+
+
+def test_a_last_word_followed_by_audio_is_final_before_the_segment_closes(
+    speech_dir: Path,
+) -> None:
+    audio = load_clip(speech_dir / SPEECH_CLIP)[: int(1.9 * SAMPLE_RATE_HZ)]
+    events = _stream_without_end(TwoWordsEngine(), audio)
+    assert not [e for e in events if isinstance(e, SpeechEndedMessage)]
+    finals = " ".join(e.text for e in events if isinstance(e, FinalMessage))
+    assert finals.split() == ["w0", "w1"]
+
+
+def test_a_word_at_the_very_end_of_the_audio_waits_for_more(speech_dir: Path) -> None:
+    audio = load_clip(speech_dir / SPEECH_CLIP)[: int(1.9 * SAMPLE_RATE_HZ)]
+    events = _stream_without_end(TwoWordsEngine(trailing=True), audio)
+    finals = " ".join(e.text for e in events if isinstance(e, FinalMessage))
+    assert finals.split() == ["w0"]  # w1 may still be cut off: it stays tentative
+    partials = [e for e in events if isinstance(e, PartialMessage)]
+    assert partials[-1].text.split() == ["w1"]
+
+
+def test_a_segment_decodes_at_the_first_decode_pace_until_it_shows_a_word(
+    speech_dir: Path,
+) -> None:
+    engine = ScriptedEngine()  # hears its first word once the window holds 0.5 s
+    audio = load_clip(speech_dir / SPEECH_CLIP)[: int(1.9 * SAMPLE_RATE_HZ)]
+    _stream_without_end(engine, audio)
+    lengths = [round(a, 2) for batch in engine.batches for a in batch]
+    config = StreamingConfig()
+    first = config.first_decode_ms / 1000
+    steps = [round(b - a, 2) for a, b in pairwise(lengths)]
+    words_at = next(i for i, n in enumerate(lengths) if n >= ScriptedEngine.WORD_S)
+    assert words_at >= 1, lengths
+    assert all(step == pytest.approx(first, abs=0.1) for step in steps[:words_at])
+    assert all(step >= config.min_new_audio_ms / 1000 - 0.05 for step in steps[words_at:])
 
 
 class EarlyEndEngine(ScriptedEngine):

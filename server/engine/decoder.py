@@ -202,9 +202,11 @@ class StreamingDecoder:
 
     # -- caches -------------------------------------------------------------------------
     def _cache(self, batch: int) -> list[tuple[mx.array, mx.array]]:
-        """Preallocated (batch, n_text_ctx, state) caches, grown only when a bigger batch comes."""
+        """Preallocated (batch, head, n_text_ctx, state / head) caches, grown only when a bigger
+        batch comes."""
         if batch > self._cache_batch:
-            shape = (batch, self.dims.n_text_ctx, self.dims.n_text_state)
+            d = self.dims
+            shape = (batch, d.n_text_head, d.n_text_ctx, d.n_text_state // d.n_text_head)
             self._caches = [
                 (mx.zeros(shape, dtype=self.dtype), mx.zeros(shape, dtype=self.dtype))
                 for _ in range(self.dims.n_text_layer)

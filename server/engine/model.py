@@ -48,31 +48,43 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10_000.0) -> mx
     return mx.concatenate([mx.sin(scaled_time), mx.cos(scaled_time)], axis=1)
 
 
-def attention(
-    q: mx.array, k: mx.array, v: mx.array, n_head: int, mask: mx.array | None
-) -> mx.array:
-    """Scaled dot-product attention over (batch, time, state) inputs."""
+def split_heads(x: mx.array, n_head: int) -> mx.array:
+    """(batch, time, state) -> (batch, head, time, state / head)."""
+    b, t, d = x.shape
+    return x.reshape(b, t, n_head, d // n_head).transpose(0, 2, 1, 3)
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
+    """Scaled dot-product attention of (batch, time, state) queries over head-major keys and
+    values (batch, head, time, state / head).
+
+    Keys and values are kept head-major (the decoder's caches and cross-attention projections
+    are stored that way): on CPU, transposing them for every token step cost 3-4x the
+    attention itself.
+    """
     b, t_q, d = q.shape
-    t_k = k.shape[1]
-    head = d // n_head
-    q = q.reshape(b, t_q, n_head, head).transpose(0, 2, 1, 3)
-    k = k.reshape(b, t_k, n_head, head).transpose(0, 2, 1, 3)
-    v = v.reshape(b, t_k, n_head, head).transpose(0, 2, 1, 3)
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=head**-0.5, mask=mask)
+    n_head, head = k.shape[1], k.shape[3]
+    out = mx.fast.scaled_dot_product_attention(
+        split_heads(q, n_head), k, v, scale=head**-0.5, mask=mask
+    )
     return out.transpose(0, 2, 1, 3).reshape(b, t_q, d)
 
 
-def attention_weights(q: mx.array, k: mx.array, n_head: int, mask: mx.array | None) -> mx.array:
-    """Softmax attention weights (batch, head, t_q, t_k); used only for word alignment."""
-    b, t_q, d = q.shape
-    t_k = k.shape[1]
-    head = d // n_head
-    qh = q.reshape(b, t_q, n_head, head).transpose(0, 2, 1, 3)
-    kh = k.reshape(b, t_k, n_head, head).transpose(0, 2, 3, 1)
-    qk = (qh @ kh) * head**-0.5
+def attention_weights(q: mx.array, k: mx.array, mask: mx.array | None) -> mx.array:
+    """Softmax attention weights (batch, head, t_q, t_k) over head-major keys; used only for
+    word alignment."""
+    head = k.shape[3]
+    qk = (split_heads(q, k.shape[1]) @ k.transpose(0, 1, 3, 2)) * head**-0.5
     if mask is not None:
         qk = qk + mask
     return mx.softmax(qk.astype(mx.float32), axis=-1)
+
+
+def _contiguous(x: mx.array) -> mx.array:
+    """A row-major copy of a transposed view (``mx.contiguous`` came with MLX 0.24)."""
+    if hasattr(mx, "contiguous"):
+        return mx.contiguous(x)
+    return mx.array(np.ascontiguousarray(np.array(x)))
 
 
 class MultiHeadAttention(nn.Module):
@@ -105,7 +117,8 @@ class ResidualAttentionBlock(nn.Module):
         """Encoder block: full self-attention, no cache."""
         h = self.attn_ln(x)
         a = self.attn
-        x = x + a.out(attention(a.query(h), a.key(h), a.value(h), a.n_head, None))
+        k, v = split_heads(a.key(h), a.n_head), split_heads(a.value(h), a.n_head)
+        x = x + a.out(attention(a.query(h), k, v, None))
         return x + self.mlp(x)
 
     def decode(
@@ -126,15 +139,13 @@ class ResidualAttentionBlock(nn.Module):
         a = self.attn
         h = self.attn_ln(x)
         t = x.shape[1]
-        cache_k[:, offset : offset + t, :] = a.key(h)
-        cache_v[:, offset : offset + t, :] = a.value(h)
-        keys = cache_k[:, : offset + t, :]
-        values = cache_v[:, : offset + t, :]
-        x = x + a.out(attention(a.query(h), keys, values, a.n_head, self_mask))
+        cache_k[:, :, offset : offset + t, :] = split_heads(a.key(h), a.n_head)
+        cache_v[:, :, offset : offset + t, :] = split_heads(a.value(h), a.n_head)
+        keys = cache_k[:, :, : offset + t, :]
+        values = cache_v[:, :, : offset + t, :]
+        x = x + a.out(attention(a.query(h), keys, values, self_mask))
         c = self.cross_attn
-        x = x + c.out(
-            attention(c.query(self.cross_attn_ln(x)), cross_k, cross_v, c.n_head, cross_mask)
-        )
+        x = x + c.out(attention(c.query(self.cross_attn_ln(x)), cross_k, cross_v, cross_mask))
         return x + self.mlp(x), cache_k, cache_v
 
     def decode_full(
@@ -148,11 +159,12 @@ class ResidualAttentionBlock(nn.Module):
         """Decoder block over a whole sequence without a cache (the word-alignment pass)."""
         a = self.attn
         h = self.attn_ln(x)
-        x = x + a.out(attention(a.query(h), a.key(h), a.value(h), a.n_head, mask))
+        k, v = split_heads(a.key(h), a.n_head), split_heads(a.value(h), a.n_head)
+        x = x + a.out(attention(a.query(h), k, v, mask))
         c = self.cross_attn
         q = c.query(self.cross_attn_ln(x))
-        weights = attention_weights(q, cross_k, c.n_head, None) if want_cross_weights else None
-        x = x + c.out(attention(q, cross_k, cross_v, c.n_head, None))
+        weights = attention_weights(q, cross_k, None) if want_cross_weights else None
+        x = x + c.out(attention(q, cross_k, cross_v, None))
         return x + self.mlp(x), weights
 
 
@@ -197,16 +209,19 @@ class TextDecoder(nn.Module):
     def prepare_projection(self) -> None:
         """Make the contiguous output projection (skip for quantized embeddings)."""
         weight = self.token_embedding.weight
-        self._projection = (
-            mx.contiguous(weight.T)
-            if hasattr(mx, "contiguous")
-            else mx.array(np.ascontiguousarray(np.array(weight).T))
-        )
+        self._projection = _contiguous(weight.T)
         mx.eval(self._projection)
 
     def cross_kv(self, audio: mx.array) -> list[tuple[mx.array, mx.array]]:
-        """Project encoder output to each layer's cross-attention keys and values, once."""
-        return [(b.cross_attn.key(audio), b.cross_attn.value(audio)) for b in self.blocks]
+        """Project encoder output to each layer's cross-attention keys and values, once,
+        head-major and contiguous (see ``attention``)."""
+        out = []
+        for b in self.blocks:
+            c = b.cross_attn
+            k = _contiguous(split_heads(c.key(audio), c.n_head))
+            v = _contiguous(split_heads(c.value(audio), c.n_head))
+            out.append((k, v))
+        return out
 
     def logits(self, x: mx.array) -> mx.array:
         if self._projection is not None:
