@@ -56,6 +56,7 @@ from tests.helpers import load_clip, read_manifest, wer
 REPO = Path(__file__).resolve().parents[1]
 GAP_S = 0.5  # silence between clips, so the VAD ends a segment between them
 CHUNK_S = 0.1  # the client's frame length
+WIRE_ROUNDING_S = 0.002  # three millisecond-rounded times in a sum differ by at most 1.5 ms
 RSS_GROWTH_TARGET_MB = 50.0
 SETTLE_S = 3.0  # idle time before an RSS reading that should not include sessions
 STARTUP_TIMEOUT_S = 300.0
@@ -226,10 +227,11 @@ class StreamReport:
         if self.done is None:
             return self.sent_s
         d = self.done
-        missing = max(0.0, self.sent_s - d.audio_received_s)
+        gaps = [self.sent_s - d.audio_received_s]
         if d.transcribed_s is not None and d.failed_s is not None:
-            missing += max(0.0, d.speech_s - d.transcribed_s - d.failed_s)
-        return missing
+            gaps.append(d.speech_s - d.transcribed_s - d.failed_s)
+        # Wire times are rounded to milliseconds: a difference within that is not audio.
+        return sum(g for g in gaps if g > WIRE_ROUNDING_S)
 
 
 async def one_stream(url: str, pcm: bytes, reference: str, pace: float) -> StreamReport:
