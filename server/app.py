@@ -406,6 +406,14 @@ class WhisperwireServer:
         finally:
             self._connections.discard(conn)
             self.metrics.sessions_active.set(len(self._connections))
+            if not self._connections:
+                await self._release_memory()
+
+    async def _release_memory(self) -> None:
+        try:
+            await self.pipeline.release_memory()
+        except Exception:  # memory housekeeping must never fail a connection
+            logger.warning("releasing memory failed", exc_info=True)
 
 
 _SHUTDOWN = _Stop(1001, "server shutting down")

@@ -85,6 +85,8 @@ class SpeechEngine(Protocol):
 
     def warmup(self) -> float: ...
 
+    def release_memory(self) -> None: ...
+
 
 # --------------------------------------------------------------------------- decode worker
 
@@ -247,6 +249,13 @@ class Pipeline:
     def queued(self) -> int:
         """Windows waiting for the decode worker."""
         return len(self._heap)
+
+    async def release_memory(self) -> None:
+        """Give back what a burst of sessions took (batch-sized caches, freed heap); run it
+        when no session is open. Queued behind any decode already on the worker."""
+        if self._closed or self._engine is None:
+            return
+        await self._worker.call(self._engine.release_memory)
 
     async def close(self) -> None:
         """Stop scheduling, fail what is still queued, and end the worker thread (awaited)."""

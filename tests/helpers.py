@@ -149,6 +149,7 @@ class ScriptedEngine:
         self.release = threading.Event()
         self.release.set()
         self.warmups = 0
+        self.releases = 0
 
     def encode_text(self, text: str) -> tuple[int, ...]:
         return tuple(1000 + int(w[1:]) for w in text.split() if w.startswith("w"))
@@ -159,6 +160,9 @@ class ScriptedEngine:
     def warmup(self) -> float:
         self.warmups += 1
         return 0.0
+
+    def release_memory(self) -> None:
+        self.releases += 1
 
     def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
         self.batches.append([w.audio_s for w in windows])

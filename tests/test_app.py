@@ -342,6 +342,23 @@ async def test_http_routes(server_url: str) -> None:
         assert status == 404, path
 
 
+async def test_memory_is_released_when_the_last_session_closes(speech_dir: Path) -> None:
+    engine = ScriptedEngine()
+    frames = pcm_frames(load_clip(speech_dir / END_TO_END_CLIPS[0]))
+    async with scripted_server(engine) as server:
+        url = stream_url(server.url)
+        async with connect(url) as idle:  # a second session, open all along
+            await idle.recv()  # ready
+            await asyncio.wait_for(stream_frames(url, frames), WAIT_S)
+            await asyncio.sleep(0.2)
+            assert engine.releases == 0  # never while a session is open
+        for _ in range(100):  # the release runs once the handler has let go of the session
+            if engine.releases:
+                break
+            await asyncio.sleep(0.02)
+    assert engine.releases == 1
+
+
 async def test_readyz_is_503_until_the_model_is_warm() -> None:
     release = threading.Event()
     engine = ScriptedEngine()

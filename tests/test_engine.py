@@ -220,3 +220,15 @@ def test_word_timestamps_are_ordered_inside_the_window_and_spell_the_text(
         assert 0.0 <= x.probability <= 1.0
     # The words cover the speech, not a corner of the window.
     assert words[-1].end_s >= 0.5 * w.audio_s
+
+
+def test_released_memory_is_allocated_again_on_the_next_decode(
+    engine: Engine, speech_dir: Path
+) -> None:
+    audio = load_clip(speech_dir / "misc_en/jfk.wav")[: 3 * SAMPLE_RATE_HZ]
+    window = Window(engine.features(audio), 3.0, DecodeOptions(word_timestamps=False))
+    before = engine.decode_windows([window, window, window])[0]
+    engine.release_memory()
+    assert engine.decoder._cache_batch == 0  # the batch-3 caches are gone
+    after = engine.decode_windows([window])[0]
+    assert after.tokens == before.tokens

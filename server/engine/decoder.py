@@ -217,6 +217,11 @@ class StreamingDecoder:
             return self._caches
         return [(k[:batch], v[:batch]) for k, v in self._caches]
 
+    def release_caches(self) -> None:
+        """Drop the preallocated caches (sized to the largest batch seen so far)."""
+        self._caches = []
+        self._cache_batch = 0
+
     # -- forward ------------------------------------------------------------------------
     def _forward(
         self,

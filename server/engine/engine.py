@@ -6,8 +6,10 @@ same audio context together, and decodes all of them in one lockstep batch.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field, replace
 
@@ -83,6 +85,16 @@ def pad_to_full(mel: Float32Array, frames: int = N_FRAMES) -> Float32Array:
     frame has the same value, so repeating it equals computing the padded spectrogram again."""
     tail = np.repeat(mel[-1:], max(0, frames - mel.shape[0]), axis=0)
     return np.concatenate([mel, tail])
+
+
+def _trim_heap() -> None:
+    """Return free heap pages to the OS (glibc only; a no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        logger.debug("malloc_trim is not available")
 
 
 class Engine:
@@ -200,6 +212,16 @@ class Engine:
             return results
         except (RuntimeError, ValueError, IndexError) as exc:
             raise DecodeError(f"decode of {len(windows)} window(s) failed: {exc}") from exc
+
+    def release_memory(self) -> None:
+        """Give back memory a burst of streams took: the decoder's batch-sized caches, MLX's
+        buffer cache, and heap pages the allocator kept (glibc ``malloc_trim``). The next
+        decode allocates what it needs again (a few MB for one stream)."""
+        self.decoder.release_caches()
+        clear = getattr(mx, "clear_cache", None)
+        if clear is not None:
+            clear()
+        _trim_heap()
 
     def warmup(self) -> float:
         """Run each code path once so the first client pays no first-call costs."""
