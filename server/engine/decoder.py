@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..features import AUDIO_TOKENS_PER_SECOND
+from ..hypothesis import normalize_word
 from .blas import vector_matrix
 from .model import Whisper
 from .options import DecodeOptions
@@ -178,10 +179,6 @@ def repeat_start(keys: list[str], min_words: int) -> int | None:
         if n - s >= k and (best is None or s < best):
             best = s
     return best
-
-
-def _word_key(word: str) -> str:
-    return "".join(ch for ch in word.lower() if ch.isalnum())
 
 
 class StreamingDecoder:
@@ -457,15 +454,12 @@ class StreamingDecoder:
             offset += 1
         self._caches = caches if b == self._cache_batch else self._caches
         for i in range(b):
-            # A loop cut mid-audio is left to the caller's fallback: words after it are
-            # missing. One whose timestamps reach the end of the audio, or an ending read
-            # twice before end-of-text, only needs the repeat removed.
-            whole = stop[i] == "eot" or (
-                stop[i] == "repetition" and self._reached_end(full[i], max_ts[i])
-            )
-            trimmed = self._trim_repeated_ending(full[i], requests[i].options) if whole else None
-            if trimmed is not None:
-                full[i], stop[i] = trimmed, "repeat_at_end"
+            # A loop cut mid-audio ("repetition") is left to the caller's fallback: words after
+            # it are missing. A whole transcript only needs an ending read twice removed.
+            if stop[i] in ("eot", "repeat_at_end"):
+                trimmed = self._trim_repeated_ending(full[i], requests[i].options)
+                if trimmed is not None:
+                    full[i], stop[i] = trimmed, "repeat_at_end"
 
         results = []
         for i, r in enumerate(requests):
@@ -571,8 +565,8 @@ class StreamingDecoder:
         v = self.vocab
         text_tokens = [t for t in seq if t < v.eot]
         words, word_tokens = v.tokenizer.split_to_word_tokens(text_tokens)
-        spoken = [i for i, w in enumerate(words) if _word_key(w)]  # skip punctuation pieces
-        keys = [_word_key(words[i]) for i in spoken]
+        spoken = [i for i, w in enumerate(words) if normalize_word(w)]  # not punctuation
+        keys = [normalize_word(words[i]) for i in spoken]
         start = repeat_start(keys, opts.repetition_phrase_words)
         if start is None:
             return None
