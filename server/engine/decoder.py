@@ -8,6 +8,11 @@
 - Rows of a batch may come from different streams with different prompts and audio lengths:
   prompts are left-padded and masked, audio is right-padded and masked, each row stops on
   its own.
+- Speculative re-decoding: a stream decodes the same growing window again and again, and
+  most of each output equals the previous one. That previous output comes in as a draft, is
+  fed with the prefill and verified in the same pass; greedy decoding steps token by token
+  only from the first token it disagrees with. The output is greedy decoding's, whatever
+  the draft.
 - Guards: Whisper's token suppression and timestamp rules, no-speech probability, a token
   cap per audio second, a repeated-n-gram cut and a compression-ratio check.
 """
@@ -37,6 +42,13 @@ NEG_INF = -np.inf
 SECONDS_PER_TIMESTAMP = 0.02
 END_SLACK_S = 0.5  # a transcript whose timestamps reach this close to the audio end is whole
 GEMV_MAX_ROWS = 2  # from 3 rows up, one sgemm beats a matrix-vector product per row
+# Draft tokens fed with the prefill, at most: about a 15 s window's output (the session's
+# longest). Measured on our 2-core CPU: each draft token fed costs 0.6-0.7 ms of prefill, each
+# one verified saves a step (10-16 ms), so even a draft mostly wrong costs little.
+DRAFT_MAX_TOKENS = 64
+# Positions whose logits are computed together while verifying: 8 rows cost 6.5 ms, 48 rows
+# 27-32 ms (a 51864 x 384 projection each), so a draft rejected early wastes little.
+VERIFY_ROUND_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -99,6 +111,9 @@ class DecodeRequest:
     prompt: tuple[int, ...] = ()  # earlier committed text, as context
     prefix: tuple[int, ...] = ()  # text tokens forced at the start of the output
     language: str | None = None  # resolved language (filled by detection when None)
+    # A guess at the output: the previous decode's DecodeResult.sequence of the same stream,
+    # passed unchanged (stale, wrong or empty is fine). Only the speed depends on it.
+    draft: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,6 +139,10 @@ class DecodeResult:
     # "no_speech", "compression"
     stop_reason: str
     n_generated: int  # tokens sampled (not forced) in this call
+    # Every token emitted after the start tokens, timestamps and forced prefix included (not
+    # end-of-text), also when the text is dropped: the next decode's draft.
+    sequence: tuple[int, ...] = ()
+    n_steps: int = 0  # sequential forward passes after the prefill this row needed
 
     @property
     def is_speech(self) -> bool:
@@ -181,6 +200,85 @@ def repeat_start(keys: list[str], min_words: int) -> int | None:
     return best
 
 
+def draft_continuation(draft: tuple[int, ...], n_prefix: int, eot: int) -> tuple[int, ...]:
+    """What ``draft`` (an earlier output sequence) guesses after a forced prefix of
+    ``n_prefix`` text tokens: everything after its ``n_prefix``-th text token (tokens below
+    ``eot``). Its first text tokens are taken to be the prefix: earlier decodes of a stream
+    emitted what it forces now. Without a prefix nothing is forced and all of it is a guess.
+    """
+    if n_prefix == 0:
+        return draft
+    seen = 0
+    for k, t in enumerate(draft):
+        if t < eot:
+            seen += 1
+            if seen == n_prefix:
+                return draft[k + 1 :]
+    return ()
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """What the prefill feeds for one row, before its draft."""
+
+    tokens: tuple[int, ...]  # earlier text, start tokens, forced prefix
+    sot_index: int  # where <|startoftranscript|> is: the no-speech probability is read there
+    sample_begin: int  # where the output begins (the forced prefix is part of it)
+
+
+@dataclass
+class _Row:
+    """One row's decoding state. Mutable, unlike the values that cross the API: the step
+    loop updates it token by token, and it never leaves ``StreamingDecoder.decode``."""
+
+    request: DecodeRequest
+    index: int  # the row in the batch (its cross-attention keys and values)
+    language: str | None
+    prompt: _Prompt
+    pad: int  # left padding before the prompt in the prefill
+    n_audio: int  # encoder positions of this row's audio (before batch padding)
+    max_new: int  # tokens it may sample: the token cap per audio second, the text context
+    max_ts: int  # the last timestamp inside the real audio, in timestamp units
+    draft: tuple[int, ...]  # the guessed continuation fed with the prefill
+    full: list[int]  # the output so far: forced prefix, then sampled tokens
+    length: int  # positions fed so far (the next token's positional embedding)
+    generated: list[int] = field(default_factory=list)  # sampled tokens only
+    token_logprobs: list[float] = field(default_factory=list)  # of the sampled tokens
+    sum_logprob: float = 0.0  # end-of-text included
+    no_speech_prob: float = 0.0
+    stop: str = "max_tokens"
+    done: bool = False
+    n_steps: int = 0
+
+
+class _Walk:
+    """Greedy decoding along one row's draft, over logits computed ``VERIFY_ROUND_TOKENS``
+    positions at a time: a draft that goes wrong early costs little more than its share of
+    the prefill."""
+
+    def __init__(self, row: _Row) -> None:
+        self.row = row
+        self.decided = 0  # walk positions decided: position j follows j draft tokens
+        self.accepted = 0  # draft tokens greedy decoding chose too
+        self.next_token = -1  # the token after them, decided but not yet fed
+        self.finished = False
+
+    def next_round(self) -> range:
+        """Walk positions whose logits the next round needs (empty when finished)."""
+        if self.finished:
+            return range(0)
+        return range(self.decided, min(self.decided + VERIFY_ROUND_TOKENS, len(self.row.draft) + 1))
+
+    def record(self, token: int) -> None:
+        """Take the token greedy decoding chose at the next walk position (the row has
+        already accepted it and applied its stop rules)."""
+        j = self.decided
+        self.decided += 1
+        draft = self.row.draft
+        if self.row.done or j == len(draft) or token != draft[j]:
+            self.accepted, self.next_token, self.finished = j, token, True
+
+
 class StreamingDecoder:
     """Batched greedy decoding over one model, with caches kept between calls."""
 
@@ -220,6 +318,26 @@ class StreamingDecoder:
         self._cache_batch = 0
 
     # -- forward ------------------------------------------------------------------------
+    def _blocks(
+        self,
+        tokens: mx.array,
+        positions: mx.array,
+        offset: int,
+        caches: list[tuple[mx.array, mx.array]],
+        self_mask: mx.array,
+        cross: list[tuple[mx.array, mx.array]],
+        cross_mask: mx.array | None,
+    ) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
+        """Hidden states (rows, tokens, state) of ``tokens`` written at cache column
+        ``offset``, and the updated caches."""
+        dec = self.model.decoder
+        x = dec.token_embedding(tokens) + dec.positional_embedding[positions]
+        new_caches = []
+        for block, (ck, cv), (xk, xv) in zip(dec.blocks, caches, cross, strict=True):
+            x, ck, cv = block.decode(x, ck, cv, offset, self_mask, xk, xv, cross_mask)
+            new_caches.append((ck, cv))
+        return x, new_caches
+
     def _forward(
         self,
         tokens: mx.array,
@@ -230,12 +348,10 @@ class StreamingDecoder:
         cross: list[tuple[mx.array, mx.array]],
         cross_mask: mx.array | None,
     ) -> tuple[npt.NDArray[np.float32], list[tuple[mx.array, mx.array]]]:
-        dec = self.model.decoder
-        x = dec.token_embedding(tokens) + dec.positional_embedding[positions]
-        new_caches = []
-        for block, (ck, cv), (xk, xv) in zip(dec.blocks, caches, cross, strict=True):
-            x, ck, cv = block.decode(x, ck, cv, offset, self_mask, xk, xv, cross_mask)
-            new_caches.append((ck, cv))
+        """Logits after the last of ``tokens`` per row, and the updated caches."""
+        x, new_caches = self._blocks(
+            tokens, positions, offset, caches, self_mask, cross, cross_mask
+        )
         return self._logits(x[:, -1, :]), new_caches
 
     def _logits(self, x: mx.array) -> npt.NDArray[np.float32]:
@@ -298,215 +414,268 @@ class StreamingDecoder:
 
     # -- decode ------------------------------------------------------------------------
     def decode(self, requests: list[DecodeRequest]) -> list[DecodeResult]:
-        """Greedy-decode every request in lockstep; rows stop independently."""
+        """Greedy-decode every request in lockstep; rows stop independently.
+
+        A request's draft is fed with the prefill and verified there: each draft token that
+        greedy decoding would have chosen saves one sequential step. The output does not
+        depend on the draft.
+        """
         if not requests:
             return []
-        v = self.vocab
-        needs_lang = [i for i, r in enumerate(requests) if r.options.language is None]
-        languages: list[str | None] = [r.options.language for r in requests]
-        lang: str | None
-        if needs_lang and v.multilingual:
-            for i, (lang, _) in zip(
-                needs_lang, self.detect_language([requests[i] for i in needs_lang]), strict=True
-            ):
+        languages = self._languages(requests)
+        prompts = [self._prompt(r, lang) for r, lang in zip(requests, languages, strict=True)]
+        cross, cross_mask, lengths = self._cross(requests)
+        rows = self._rows(requests, languages, prompts, lengths)
+        caches = self._cache(len(rows))
+        next_tokens, valid, offset, caches = self._prefill(rows, caches, cross, cross_mask)
+        caches = self._step_loop(rows, next_tokens, valid, offset, caches, cross, cross_mask)
+        self._caches = caches if len(rows) == self._cache_batch else self._caches
+        for row in rows:
+            # A loop cut mid-audio ("repetition") is left to the caller's fallback: words after
+            # it are missing. A whole transcript only needs an ending read twice removed.
+            if row.stop in ("eot", "repeat_at_end"):
+                trimmed = self._trim_repeated_ending(row.full, row.request.options)
+                if trimmed is not None:
+                    row.full, row.stop = trimmed, "repeat_at_end"
+        return [self._result(row, cross) for row in rows]
+
+    def _languages(self, requests: list[DecodeRequest]) -> list[str | None]:
+        """Each request's language: its own, detected when None, English for English-only
+        models."""
+        if not self.vocab.multilingual:
+            return ["en"] * len(requests)
+        languages = [r.options.language for r in requests]
+        needs = [i for i, lang in enumerate(languages) if lang is None]
+        if needs:
+            detected = self.detect_language([requests[i] for i in needs])
+            for i, (lang, _) in zip(needs, detected, strict=True):
                 languages[i] = lang
-        if not v.multilingual:
-            languages = ["en"] * len(requests)
+        return languages
 
-        seqs: list[list[int]] = []
-        sample_begins: list[int] = []
-        sot_index: list[int] = []
-        for r, lang in zip(requests, languages, strict=True):
-            seq: list[int] = []
-            half = self.dims.n_text_ctx // 2
-            if r.prompt:
-                seq += [v.sot_prev, *r.prompt[-(half - 1) :]]
-            sot_index.append(len(seq))
-            seq.append(v.sot)
-            if v.multilingual:
-                assert lang is not None
-                seq += [
-                    v.language_token(lang),
-                    v.translate if r.options.task == "translate" else v.transcribe,
-                ]
-            if not r.options.timestamps:
-                seq.append(v.no_timestamps)
-            sample_begins.append(len(seq))
-            if r.prefix:
-                if r.options.timestamps:
-                    seq.append(v.timestamp_begin)
-                seq += list(r.prefix)
-            seqs.append(seq)
+    def _prompt(self, r: DecodeRequest, language: str | None) -> _Prompt:
+        """Earlier text, the start tokens and the forced prefix of one request."""
+        v = self.vocab
+        seq: list[int] = []
+        if r.prompt:
+            seq += [v.sot_prev, *r.prompt[-(self.dims.n_text_ctx // 2 - 1) :]]
+        sot_index = len(seq)
+        seq.append(v.sot)
+        if v.multilingual:
+            assert language is not None
+            seq += [
+                v.language_token(language),
+                v.translate if r.options.task == "translate" else v.transcribe,
+            ]
+        if not r.options.timestamps:
+            seq.append(v.no_timestamps)
+        sample_begin = len(seq)
+        if r.prefix:
+            if r.options.timestamps:
+                seq.append(v.timestamp_begin)
+            seq += r.prefix
+        return _Prompt(tuple(seq), sot_index, sample_begin)
 
-        b = len(requests)
-        longest = max(len(s) for s in seqs)
-        pads = [longest - len(s) for s in seqs]
-        max_new = [
-            max(
-                1,
-                min(
-                    self.dims.n_text_ctx - longest - 1,
-                    int(8 + r.options.max_tokens_per_audio_s * r.audio_s),
-                ),
-            )
+    def _rows(
+        self,
+        requests: list[DecodeRequest],
+        languages: list[str | None],
+        prompts: list[_Prompt],
+        lengths: list[int],
+    ) -> list[_Row]:
+        """Per-row state with its limits: the token cap, the text context, the last
+        timestamp inside the real audio, and how much of its draft to feed."""
+        ctx = self.dims.n_text_ctx
+        longest = max(len(p.tokens) for p in prompts)
+        caps = [
+            max(1, min(ctx - longest - 1, int(8 + r.options.max_tokens_per_audio_s * r.audio_s)))
             for r in requests
         ]
-        steps = max(max_new)
-        if longest + steps > self.dims.n_text_ctx:
-            steps = self.dims.n_text_ctx - longest
+        # The rows advance in lockstep from the end of the longest prompt, one column a step.
+        steps = min(max(caps), ctx - longest)
+        # A row that rejects its whole draft still needs ``steps - 1`` columns after the
+        # draft region, all inside the text context.
+        room = ctx + 1 - longest - steps
+        rows = []
+        for i, (r, lang, p, n) in enumerate(
+            zip(requests, languages, prompts, lengths, strict=True)
+        ):
+            max_new = min(caps[i], steps)
+            max_ts = min(
+                round(min(r.audio_s, n / AUDIO_TOKENS_PER_SECOND) / SECONDS_PER_TIMESTAMP), 1500
+            )
+            draft = self._draft(r, min(DRAFT_MAX_TOKENS, max_new - 1, room))
+            rows.append(
+                _Row(
+                    request=r,
+                    index=i,
+                    language=lang,
+                    prompt=p,
+                    pad=longest - len(p.tokens),
+                    n_audio=n,
+                    max_new=max_new,
+                    max_ts=max_ts,
+                    draft=draft,
+                    full=list(p.tokens[p.sample_begin :]),
+                    length=len(p.tokens),
+                )
+            )
+        return rows
 
-        cross, cross_mask, lengths = self._cross(requests)
-        caches = self._cache(b)
+    def _draft(self, r: DecodeRequest, limit: int) -> tuple[int, ...]:
+        """The speculative continuation of a request: its draft after the forced prefix, cut
+        at end-of-text (nothing is decided after it), at ids outside the vocabulary (the
+        embedding cannot look them up) and at ``limit`` tokens."""
+        out: list[int] = []
+        for t in draft_continuation(r.draft, len(r.prefix), self.vocab.eot):
+            if len(out) >= limit or t == self.vocab.eot or not 0 <= t < self.dims.n_vocab:
+                break
+            out.append(t)
+        return tuple(out)
 
-        # Prefill: left-padded tokens, per-row positions, causal mask that hides padding.
-        tok_np = np.full((b, longest), v.eot, dtype=np.int32)
-        pos_np = np.zeros((b, longest), dtype=np.int32)
-        mask_np = np.full((b, 1, longest, longest), NEG_INF, dtype=np.float32)
-        q_idx = np.arange(longest)[:, None]
-        k_idx = np.arange(longest)[None, :]
-        for i, (s, p) in enumerate(zip(seqs, pads, strict=True)):
-            tok_np[i, p:] = s
-            pos_np[i, p:] = np.arange(len(s))
+    def _prefill(
+        self,
+        rows: list[_Row],
+        caches: list[tuple[mx.array, mx.array]],
+        cross: list[tuple[mx.array, mx.array]],
+        cross_mask: mx.array | None,
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_], int, list[tuple[mx.array, mx.array]]]:
+        """One forward over every row's prompt and draft, then the drafts verified.
+
+        Prompts are left-padded so they all end at column ``longest``; drafts follow,
+        right-padded to the longest draft. Sets each row's no-speech probability, accepts
+        the draft tokens greedy decoding chooses too, and returns the tokens to feed next,
+        the cache columns each row may attend to (not its left padding, not the draft tokens
+        it rejected), and the column the next step writes.
+        """
+        v = self.vocab
+        b = len(rows)
+        longest = max(len(row.prompt.tokens) for row in rows)
+        width = longest + max(len(row.draft) for row in rows)
+        tok_np = np.full((b, width), v.eot, dtype=np.int32)
+        pos_np = np.zeros((b, width), dtype=np.int32)
+        mask_np = np.full((b, 1, width, width), NEG_INF, dtype=np.float32)
+        q_idx = np.arange(width)[:, None]
+        k_idx = np.arange(width)[None, :]
+        for i, row in enumerate(rows):
+            seq = [*row.prompt.tokens, *row.draft]
+            p = row.pad
+            tok_np[i, p : p + len(seq)] = seq
+            pos_np[i, p : p + len(seq)] = np.arange(len(seq))
             allowed = (k_idx <= q_idx) & ((k_idx >= p) | (k_idx == q_idx))
             mask_np[i, 0][allowed] = 0.0
-        dt = self.dtype
-        # The no-speech probability is read at <|startoftranscript|>, which is not the last
-        # prefill position when there is a prompt; the prefill returns logits for both.
-        no_speech = np.zeros(b, dtype=np.float64)
-        x_logits, caches = self._prefill_with_no_speech(
-            tok_np, pos_np, mask_np, pads, sot_index, caches, cross, cross_mask, no_speech
+        x, caches = self._blocks(
+            mx.array(tok_np),
+            mx.array(pos_np),
+            0,
+            caches,
+            mx.array(mask_np).astype(self.dtype),
+            cross,
+            cross_mask,
         )
+        hidden = x.reshape(b * width, x.shape[-1])
+        # Row i's walk reads the logits after its prompt (flat row ``ends[i]``) and after each
+        # of its draft tokens; the no-speech probability is read at <|startoftranscript|>,
+        # which is not the last prompt position when there is earlier text.
+        ends = [i * width + longest - 1 for i in range(b)]
+        sot_rows = [i * width + row.pad + row.prompt.sot_index for i, row in enumerate(rows)]
+        walks = [_Walk(row) for row in rows]
+        picks = [(i, j) for i, w in enumerate(walks) for j in w.next_round()]
+        both = self.model.decoder.logits(
+            hidden[mx.array(sot_rows + [ends[i] + j for i, j in picks])]
+        ).astype(mx.float32)
+        no_speech = np.array(mx.softmax(both[:b], axis=-1)[:, v.no_speech])
+        logits = np.array(both[b:])
+        while picks:
+            for (i, _), row_logits in zip(picks, logits, strict=True):
+                # A round may hold positions after the one where the walk ended.
+                if not walks[i].finished:
+                    walks[i].record(self._take(rows[i], row_logits))
+            picks = [(i, j) for i, w in enumerate(walks) for j in w.next_round()]
+            if picks:
+                logits = self._logits(hidden[mx.array([ends[i] + j for i, j in picks])])
 
-        # Greedy loop.
-        generated: list[list[int]] = [[] for _ in range(b)]  # sampled tokens only
-        full: list[list[int]] = [list(s[sb:]) for s, sb in zip(seqs, sample_begins, strict=True)]
-        sum_logprob = np.zeros(b)
-        token_logprobs: list[list[float]] = [[] for _ in range(b)]
-        done = [False] * b
-        stop = ["max_tokens"] * b
-        max_ts = [
-            min(
-                round(min(r.audio_s, n / AUDIO_TOKENS_PER_SECOND) / SECONDS_PER_TIMESTAMP),
-                1500,
-            )
-            for r, n in zip(requests, lengths, strict=True)
-        ]
-        offset = longest
-        logits_np: npt.NDArray[np.float32] = np.array(x_logits)  # (rows, vocab)
-        for step in range(steps):
-            next_tokens = np.full(b, v.eot, dtype=np.int32)
-            for i in range(b):
-                if done[i]:
-                    continue
-                row = self._filter(
-                    logits_np[i],
-                    full[i],
-                    requests[i].options,
-                    max_ts[i],
-                    first=not generated[i] and not requests[i].prefix,
-                )
-                tok = int(np.argmax(row))
-                lse = np.log(np.sum(np.exp(row - row[tok])))  # log-softmax of the chosen token
-                logprob = float(-lse)
-                next_tokens[i] = tok
-                sum_logprob[i] += logprob
-                if tok == v.eot:
-                    done[i] = True
-                    stop[i] = "eot"
-                    continue
-                generated[i].append(tok)
-                full[i].append(tok)
-                token_logprobs[i].append(logprob)
-                text_only = [t for t in full[i] if t < v.eot]
-                opts = requests[i].options
-                cut = repeated_tail(
-                    text_only,
-                    opts.repetition_max_ngram,
-                    opts.repetition_min_repeats,
-                    opts.repetition_phrase_tokens,
-                )
-                if cut is not None:
-                    full[i] = self._truncate_text(full[i], cut)
-                    done[i] = True
-                    stop[i] = "repetition"
-                    # Starting the whole transcript over means the first copy covered the
-                    # audio; so do timestamps that reached its end.
-                    restarted = text_only[cut : 2 * cut] == text_only[:cut]
-                    if restarted or self._reached_end(full[i], max_ts[i]):
-                        stop[i] = "repeat_at_end"
-                elif len(generated[i]) >= max_new[i]:
-                    done[i] = True
-            if all(done) or step == steps - 1:
-                break
-            positions = mx.array((offset - np.array(pads, dtype=np.int32))[:, None])
-            step_mask = np.zeros((b, 1, 1, offset + 1), dtype=np.float32)
-            for i, p in enumerate(pads):
-                step_mask[i, 0, 0, :p] = NEG_INF
-            logits_np, caches = self._forward(
+        next_tokens = np.full(b, v.eot, dtype=np.int32)
+        valid = np.ones((b, self.dims.n_text_ctx), dtype=np.bool_)
+        for i, (row, w) in enumerate(zip(rows, walks, strict=True)):
+            row.no_speech_prob = float(no_speech[i])
+            if not row.done:
+                next_tokens[i] = w.next_token
+            row.length += w.accepted
+            valid[i, : row.pad] = False
+            valid[i, longest + w.accepted : width] = False
+        return next_tokens, valid, width, caches
+
+    def _step_loop(
+        self,
+        rows: list[_Row],
+        next_tokens: npt.NDArray[np.int32],
+        valid: npt.NDArray[np.bool_],
+        offset: int,
+        caches: list[tuple[mx.array, mx.array]],
+        cross: list[tuple[mx.array, mx.array]],
+        cross_mask: mx.array | None,
+    ) -> list[tuple[mx.array, mx.array]]:
+        """One token per row and step until every row is done. All rows write the same cache
+        column; each continues its own positions and masks the columns it does not use."""
+        while not all(row.done for row in rows):
+            positions = np.array([[row.length] for row in rows], dtype=np.int32)
+            mask = np.where(valid[:, None, None, : offset + 1], 0.0, NEG_INF).astype(np.float32)
+            logits, caches = self._forward(
                 mx.array(next_tokens[:, None]),
-                positions,
+                mx.array(positions),
                 offset,
                 caches,
-                mx.array(step_mask).astype(dt),
+                mx.array(mask).astype(self.dtype),
                 cross,
                 cross_mask,
             )
             offset += 1
-        self._caches = caches if b == self._cache_batch else self._caches
-        for i in range(b):
-            # A loop cut mid-audio ("repetition") is left to the caller's fallback: words after
-            # it are missing. A whole transcript only needs an ending read twice removed.
-            if stop[i] in ("eot", "repeat_at_end"):
-                trimmed = self._trim_repeated_ending(full[i], requests[i].options)
-                if trimmed is not None:
-                    full[i], stop[i] = trimmed, "repeat_at_end"
+            for i, row in enumerate(rows):
+                row.length += 1
+                if row.done:
+                    next_tokens[i] = self.vocab.eot
+                    continue
+                row.n_steps += 1
+                next_tokens[i] = self._take(row, logits[i])
+        return caches
 
-        results = []
-        for i, r in enumerate(requests):
-            results.append(
-                self._result(
-                    r,
-                    languages[i],
-                    full[i],
-                    generated[i],
-                    token_logprobs[i],
-                    float(sum_logprob[i]),
-                    float(no_speech[i]),
-                    stop[i],
-                    cross,
-                    i,
-                    lengths[i],
-                )
-            )
-        return results
-
-    def _prefill_with_no_speech(
-        self,
-        tok_np: npt.NDArray[np.int32],
-        pos_np: npt.NDArray[np.int32],
-        mask_np: npt.NDArray[np.float32],
-        pads: list[int],
-        sot_index: list[int],
-        caches: list[tuple[mx.array, mx.array]],
-        cross: list[tuple[mx.array, mx.array]],
-        cross_mask: mx.array | None,
-        no_speech: npt.NDArray[np.float64],
-    ) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
-        dec = self.model.decoder
-        dt = self.dtype
-        x = dec.token_embedding(mx.array(tok_np)) + dec.positional_embedding[mx.array(pos_np)]
-        mask = mx.array(mask_np).astype(dt)
-        new_caches = []
-        for block, (ck, cv), (xk, xv) in zip(dec.blocks, caches, cross, strict=True):
-            x, ck, cv = block.decode(x, ck, cv, 0, mask, xk, xv, cross_mask)
-            new_caches.append((ck, cv))
-        sot_rows = mx.array(np.array([p + s for p, s in zip(pads, sot_index, strict=True)]))
-        picked = mx.take_along_axis(x, sot_rows[:, None, None], axis=1)
-        both = dec.logits(mx.concatenate([picked, x[:, -1:, :]], axis=1)).astype(mx.float32)
-        sot_logits = both[:, 0, :]
-        probs = mx.softmax(sot_logits, axis=-1)[:, self.vocab.no_speech]
-        no_speech[:] = np.array(probs)
-        return both[:, 1, :], new_caches
+    def _take(self, row: _Row, logits: npt.NDArray[np.float32]) -> int:
+        """Choose one row's next token greedily and apply the stop rules: end-of-text, a
+        repeated n-gram, the token cap. Returns the token (end-of-text included)."""
+        v = self.vocab
+        opts = row.request.options
+        first = not row.generated and not row.request.prefix
+        x = self._filter(logits, row.full, opts, row.max_ts, first=first)
+        tok = int(np.argmax(x))
+        lse = np.log(np.sum(np.exp(x - x[tok])))  # log-softmax of the chosen token
+        logprob = float(-lse)
+        row.sum_logprob += logprob
+        if tok == v.eot:
+            row.done = True
+            row.stop = "eot"
+            return tok
+        row.generated.append(tok)
+        row.full.append(tok)
+        row.token_logprobs.append(logprob)
+        text_only = [t for t in row.full if t < v.eot]
+        cut = repeated_tail(
+            text_only,
+            opts.repetition_max_ngram,
+            opts.repetition_min_repeats,
+            opts.repetition_phrase_tokens,
+        )
+        if cut is not None:
+            row.full = self._truncate_text(row.full, cut)
+            row.done = True
+            row.stop = "repetition"
+            # Starting the whole transcript over means the first copy covered the audio; so
+            # do timestamps that reached its end.
+            restarted = text_only[cut : 2 * cut] == text_only[:cut]
+            if restarted or self._reached_end(row.full, row.max_ts):
+                row.stop = "repeat_at_end"
+        elif len(row.generated) >= row.max_new:
+            row.done = True
+        return tok
 
     def _filter(
         self,
@@ -592,26 +761,16 @@ class StreamingDecoder:
             out.append(t)
         return out
 
-    def _result(
-        self,
-        r: DecodeRequest,
-        language: str | None,
-        seq: list[int],
-        generated: list[int],
-        token_logprobs: list[float],
-        sum_logprob: float,
-        no_speech_prob: float,
-        stop: str,
-        cross: list[tuple[mx.array, mx.array]],
-        row: int,
-        n_audio: int,
-    ) -> DecodeResult:
+    def _result(self, row: _Row, cross: list[tuple[mx.array, mx.array]]) -> DecodeResult:
         v = self.vocab
+        r = row.request
         opts = r.options
+        seq, generated, stop = row.full, row.generated, row.stop
         text_tokens = tuple(t for t in seq if t < v.eot)
         text = v.text(text_tokens)
-        avg_logprob = sum_logprob / (len(generated) + 1)
+        avg_logprob = row.sum_logprob / (len(generated) + 1)
         ratio = compression_ratio(text)
+        no_speech_prob = row.no_speech_prob
         # Whisper's rule needs both signals; silence that slips past VAD ("you", ".") comes with
         # a confident log-probability, so a near-certain no-speech probability suffices alone.
         if no_speech_prob > opts.no_speech_certain or (
@@ -622,7 +781,18 @@ class StreamingDecoder:
             stop = "compression"
         if stop in ("no_speech", "compression"):
             return DecodeResult(
-                (), "", (), (), language, avg_logprob, no_speech_prob, ratio, stop, len(generated)
+                (),
+                "",
+                (),
+                (),
+                row.language,
+                avg_logprob,
+                no_speech_prob,
+                ratio,
+                stop,
+                len(generated),
+                tuple(seq),
+                row.n_steps,
             )
         segments = self._segments(seq)
         words: tuple[WordTiming, ...] = ()
@@ -630,21 +800,27 @@ class StreamingDecoder:
             # Probabilities are known for sampled tokens; forced ones count as certain.
             forced = len(text_tokens) - len([t for t in generated if t < v.eot])
             probs = [1.0] * max(forced, 0) + [
-                math.exp(lp) for lp, t in zip(token_logprobs, generated, strict=True) if t < v.eot
+                math.exp(lp)
+                for lp, t in zip(row.token_logprobs, generated, strict=True)
+                if t < v.eot
             ]
-            n_frames = min(n_audio, max(1, math.ceil(r.audio_s * AUDIO_TOKENS_PER_SECOND)))
-            words = tuple(self._words(r, language, list(text_tokens), probs, cross, row, n_frames))
+            n_frames = min(row.n_audio, max(1, math.ceil(r.audio_s * AUDIO_TOKENS_PER_SECOND)))
+            words = tuple(
+                self._words(r, row.language, list(text_tokens), probs, cross, row.index, n_frames)
+            )
         return DecodeResult(
             text_tokens,
             text,
             segments,
             words,
-            language,
+            row.language,
             avg_logprob,
             no_speech_prob,
             ratio,
             stop,
             len(generated),
+            tuple(seq),
+            row.n_steps,
         )
 
     def _segments(self, seq: list[int]) -> tuple[Segment, ...]:

@@ -74,6 +74,7 @@ class Window:
     options: DecodeOptions = field(default_factory=DecodeOptions)
     prompt: tuple[int, ...] = ()
     prefix: tuple[int, ...] = ()
+    draft: tuple[int, ...] = ()  # the previous DecodeResult.sequence of this stream (speed only)
 
 
 GUARD_STOPS = ("repetition", "compression", "max_tokens")  # the decode looped
@@ -190,7 +191,7 @@ class Engine:
         try:
             feats = self.encode([w.mel for w in windows])
             requests = [
-                DecodeRequest(f, w.audio_s, w.options, w.prompt, w.prefix)
+                DecodeRequest(f, w.audio_s, w.options, w.prompt, w.prefix, draft=w.draft)
                 for f, w in zip(feats, windows, strict=True)
             ]
             results = self.decoder.decode(requests)
@@ -203,9 +204,14 @@ class Engine:
             if retry:
                 # A short audio context is the usual cause of loops; decode those windows
                 # again with a longer one (the fallback context, or 30 s as Whisper sees it).
+                # The looped decode's own output is the draft: it saw the same audio, and
+                # verification drops the loop.
                 longer = self.encode([pad_to_full(windows[i].mel, fallback) for i in retry])
                 again = self.decoder.decode(
-                    [replace(requests[i], features=f) for i, f in zip(retry, longer, strict=True)]
+                    [
+                        replace(requests[i], features=f, draft=results[i].sequence)
+                        for i, f in zip(retry, longer, strict=True)
+                    ]
                 )
                 for i, r in zip(retry, again, strict=True):
                     results[i] = r
