@@ -1,0 +1,117 @@
+"""When a decoded word may become final: the commit policy of one window.
+
+A final is never revised, so a word is committed only once the decoder has heard enough
+around it. ``CommitPolicy`` wraps LocalAgreement-n (``hypothesis.py``) and adds the rules
+that bench/accuracy.py measured, one by one, against offline decoding of the same clips:
+
+- a word commits only with ``min_right_context_s`` of audio after its end in the window
+  (Whisper rewrites a word, and the one before it, while the audio after it is short);
+- a window commits nothing before it holds ``min_window_s`` of audio (the first words of an
+  utterance decoded from a second of audio are where tiny.en is weakest);
+- a word whose probability is below ``min_word_probability`` waits, and the words after it;
+- the closing decode of a window (end of speech, flush, end) commits everything that is left,
+  except doubtful words placed at the very end of the audio: word alignment puts the words it
+  finds no audio for there, with zero length (seen: "and the first one is the first one."
+  after the last word of a clip, all at its last frame, each below 0.3 probability). A real
+  last word can land there too (the alignment squeezes it), but confidently.
+
+Pure: no I/O, no clock. The session feeds it each decode's tail and the window's extent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .hypothesis import LocalAgreement, Word, normalize_word
+
+
+@dataclass(frozen=True)
+class CommitConfig:
+    """The commit policy's knobs (bench/accuracy.py's trade-off table chose the defaults)."""
+
+    agreement_n: int = 2  # consecutive decodes that must agree on a word and all before it
+    min_right_context_s: float = 1.0  # audio in the window after a word's end before it commits
+    min_window_s: float = 2.0  # a window shorter than this commits nothing until it closes
+    min_word_probability: float = 0.0  # a word below this waits for a later decode
+    past_audio_margin_s: float = 0.06  # closing: a word starting this near the audio end...
+    past_audio_min_probability: float = 0.5  # ...and below this probability is dropped
+
+    def __post_init__(self) -> None:
+        if self.agreement_n < 1:
+            raise ValueError(f"agreement_n must be >= 1; got {self.agreement_n}")
+        if min(self.min_right_context_s, self.min_window_s, self.past_audio_margin_s) < 0:
+            raise ValueError(
+                "min_right_context_s, min_window_s and past_audio_margin_s must be >= 0"
+            )
+        for name in ("min_word_probability", "past_audio_min_probability"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1]; got {getattr(self, name)}")
+
+
+class CommitPolicy:
+    """Which words of successive decodes of one window are final.
+
+    ``update`` returns the words that became final (each at most once, never retracted);
+    ``tentative`` is the rest of the newest tail, shown as a partial.
+    """
+
+    def __init__(self, config: CommitConfig | None = None) -> None:
+        self.config = config or CommitConfig()
+        self._agreement = LocalAgreement(self.config.agreement_n)
+
+    @property
+    def tentative(self) -> list[Word]:
+        return self._agreement.tentative
+
+    def update(
+        self, tail: Sequence[Word], *, window_start_s: float, window_end_s: float, closing: bool
+    ) -> list[Word]:
+        """Fold in the newest decode's words after the committed ones, in stream time.
+
+        ``window_*_s``: the audio that decode heard. ``closing``: it was the window's last
+        decode, so everything it returned is committed.
+        """
+        if closing:
+            tail = self._heard(tail, window_end_s)
+        committed = self._agreement.update(
+            tail, hold=0 if closing else self._waiting(tail, window_start_s, window_end_s)
+        )
+        if closing:
+            committed += self._agreement.finalize()
+        return committed
+
+    def _heard(self, tail: Sequence[Word], window_end_s: float) -> Sequence[Word]:
+        """``tail`` up to the first doubtful word of the run of words at the audio's end."""
+        c = self.config
+        keep = len(tail)
+        for k in range(len(tail) - 1, -1, -1):
+            word = tail[k]
+            if word.start_s < window_end_s - c.past_audio_margin_s:
+                break
+            if normalize_word(word.text):  # punctuation alone neither cuts nor stops the run
+                if word.probability >= c.past_audio_min_probability:
+                    break
+                keep = k
+        return tail[:keep]
+
+    def _waiting(self, tail: Sequence[Word], window_start_s: float, window_end_s: float) -> int:
+        """How many words at the end of ``tail`` are not ready to commit."""
+        c = self.config
+        if window_end_s - window_start_s < c.min_window_s:
+            return len(tail)
+        for k, word in enumerate(tail):
+            if (
+                window_end_s - word.end_s < c.min_right_context_s
+                or word.probability < c.min_word_probability
+            ):
+                return len(tail) - k
+        return 0
+
+    def finalize(self) -> list[Word]:
+        """Commit the tentative words now (the window is given up or force-cut)."""
+        return self._agreement.finalize()
+
+    def reset(self) -> None:
+        """A new window starts: forget every tail without committing."""
+        self._agreement.reset()

@@ -1,0 +1,134 @@
+"""The commit policy's rules on scripted decode tails (no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.hypothesis import Word
+from server.policy import CommitConfig, CommitPolicy
+
+
+def words(*spec: tuple[str, float, float]) -> list[Word]:
+    return [Word(f" {text}", start, end) for text, start, end in spec]
+
+
+THREE = words(("the", 0.2, 0.4), ("dose", 0.5, 0.9), ("for", 1.0, 1.2))
+
+
+def test_word_commits_only_with_enough_audio_after_it() -> None:
+    policy = CommitPolicy(CommitConfig(min_right_context_s=1.0, min_window_s=0.0))
+    # Window ends at 1.6 s: "the" has 1.2 s after it, "dose" 0.7 s, "for" 0.4 s.
+    assert policy.update(THREE, window_start_s=0.0, window_end_s=1.6, closing=False) == []
+    committed = policy.update(THREE, window_start_s=0.0, window_end_s=1.6, closing=False)
+    assert [w.text for w in committed] == [" the"]
+    assert [w.text for w in policy.tentative] == [" dose", " for"]
+    # 0.4 s more audio: "dose" now has 1.1 s after it; "for" still waits.
+    committed = policy.update(THREE[1:], window_start_s=0.0, window_end_s=2.0, closing=False)
+    assert [w.text for w in committed] == [" dose"]
+
+
+def test_agreement_is_still_required_with_enough_context() -> None:
+    policy = CommitPolicy(CommitConfig(min_right_context_s=0.0, min_window_s=0.0))
+    first = words(("his", 0.0, 0.3), ("followed", 0.3, 0.8))
+    second = words(("his", 0.0, 0.3), ("father", 0.3, 0.8))
+    assert policy.update(first, window_start_s=0.0, window_end_s=3.0, closing=False) == []
+    committed = policy.update(second, window_start_s=0.0, window_end_s=3.3, closing=False)
+    assert [w.text for w in committed] == [" his"]
+    assert [w.text for w in policy.tentative] == [" father"]
+
+
+def test_short_window_commits_nothing_until_it_closes() -> None:
+    policy = CommitPolicy(CommitConfig(min_right_context_s=0.0, min_window_s=2.5))
+    for end in (1.6, 1.9, 2.2):
+        assert policy.update(THREE, window_start_s=0.0, window_end_s=end, closing=False) == []
+    committed = policy.update(THREE, window_start_s=0.0, window_end_s=2.4, closing=True)
+    assert [w.text for w in committed] == [" the", " dose", " for"]
+    assert policy.tentative == []
+
+
+def test_window_length_counts_from_the_window_start() -> None:
+    policy = CommitPolicy(CommitConfig(min_right_context_s=0.0, min_window_s=2.0))
+    late = [Word(w.text, w.start_s + 10, w.end_s + 10) for w in THREE]
+    for _ in range(2):
+        out = policy.update(late, window_start_s=10.0, window_end_s=11.5, closing=False)
+        assert out == []
+    out = policy.update(late, window_start_s=10.0, window_end_s=12.0, closing=False)
+    assert [w.text for w in out] == [" the", " dose", " for"]
+
+
+def test_low_probability_word_waits_and_so_do_the_words_after_it() -> None:
+    policy = CommitPolicy(
+        CommitConfig(min_right_context_s=0.0, min_window_s=0.0, min_word_probability=0.5)
+    )
+    tail = [
+        Word(" ten", 0.0, 0.3, 0.9),
+        Word(" min", 0.3, 0.6, 0.2),
+        Word(" ims", 0.6, 0.9, 0.95),
+    ]
+    policy.update(tail, window_start_s=0.0, window_end_s=3.0, closing=False)
+    committed = policy.update(tail, window_start_s=0.0, window_end_s=3.3, closing=False)
+    assert [w.text for w in committed] == [" ten"]
+    # The closing decode commits what is left, doubtful or not: the text must not be lost.
+    committed = policy.update(tail[1:], window_start_s=0.0, window_end_s=3.5, closing=True)
+    assert [w.text for w in committed] == [" min", " ims"]
+
+
+def test_agreement_n_is_read_from_the_config() -> None:
+    policy = CommitPolicy(CommitConfig(agreement_n=3, min_right_context_s=0.0, min_window_s=0.0))
+    for _ in range(2):
+        assert policy.update(THREE, window_start_s=0.0, window_end_s=3.0, closing=False) == []
+    assert len(policy.update(THREE, window_start_s=0.0, window_end_s=3.0, closing=False)) == 3
+
+
+def test_reset_forgets_and_finalize_commits_tentative() -> None:
+    policy = CommitPolicy(CommitConfig(min_right_context_s=5.0))
+    policy.update(THREE, window_start_s=0.0, window_end_s=3.0, closing=False)
+    assert [w.text for w in policy.finalize()] == [" the", " dose", " for"]
+    policy.update(THREE, window_start_s=0.0, window_end_s=3.0, closing=False)
+    policy.reset()
+    assert policy.tentative == []
+    assert policy.update(THREE, window_start_s=0.0, window_end_s=9.0, closing=False) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"agreement_n": 0},
+        {"min_right_context_s": -0.1},
+        {"min_window_s": -1.0},
+        {"min_word_probability": 1.5},
+        {"past_audio_min_probability": -0.1},
+        {"past_audio_margin_s": -0.1},
+    ],
+)
+def test_config_rejects_bad_values(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        CommitConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_closing_decode_drops_doubtful_words_placed_at_the_end_of_the_audio() -> None:
+    policy = CommitPolicy(CommitConfig(past_audio_margin_s=0.06, past_audio_min_probability=0.5))
+    tail = words(("form", 7.98, 8.28), ("letterpress", 8.28, 8.8))
+    tail.append(Word(",", 8.8, 8.8, 0.54))
+    tail += [Word(f" {t}", 8.8, 8.8, p) for t, p in (("and", 0.16), ("the", 0.08), ("one", 0.3))]
+    tail.append(Word(".", 8.8, 8.8, 0.37))
+    committed = policy.update(tail, window_start_s=0.0, window_end_s=8.8, closing=True)
+    assert "".join(w.text for w in committed) == " form letterpress,"
+
+
+def test_closing_decode_keeps_a_confident_last_word_squeezed_to_the_end() -> None:
+    policy = CommitPolicy(CommitConfig(past_audio_margin_s=0.06, past_audio_min_probability=0.5))
+    tail = [
+        Word(" to", 3.49, 3.95, 0.98),
+        Word(" buy", 3.95, 3.95, 0.9),
+        Word(".", 3.95, 3.95, 0.4),
+    ]
+    committed = policy.update(tail, window_start_s=0.0, window_end_s=3.955, closing=True)
+    assert "".join(w.text for w in committed) == " to buy."
+
+
+def test_closing_decode_keeps_a_word_cut_off_by_a_flush() -> None:
+    policy = CommitPolicy(CommitConfig(past_audio_margin_s=0.06))
+    tail = [Word(" to", 1.0, 1.3, 0.9), Word(" fo", 1.7, 1.9, 0.2)]
+    committed = policy.update(tail, window_start_s=0.0, window_end_s=1.9, closing=True)
+    assert [w.text for w in committed] == [" to", " fo"]
