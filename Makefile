@@ -10,7 +10,7 @@ MODEL ?= tiny.en
 PYTEST_ARGS ?=
 
 .PHONY: system-libs install run test lint browser bench bench-engine bench-decoder bench-streaming bench-capacity clean
-.PHONY: peer bench-latency
+.PHONY: peer bench-latency bench-accuracy
 
 install: $(STAMP)
 
@@ -56,9 +56,6 @@ bench-decoder: $(STAMP)
 bench-streaming: $(STAMP)
 	$(PY) -m bench.streaming
 
-bench-capacity: $(STAMP)
-	$(PY) -m bench.capacity
-
 # 16 clients x 5 min and one 60-min stream against the real server (about an hour);
 # SOAK_ARGS=--quick for a two-minute smoke run. Not part of `make bench`.
 .PHONY: soak
@@ -86,7 +83,16 @@ $(PEER_STAMP):
 bench-latency: $(STAMP) $(PEER_STAMP)
 	$(PY) -m bench.latency $(BENCH_LATENCY_ARGS)
 
-bench: bench-engine bench-decoder bench-streaming bench-capacity bench-latency
+# Every English clip of manifest.tsv (and the long recordings) streamed as its own session,
+# beside offline decoding of the same clip. BENCH_ACCURACY_ARGS: e.g. --set commit.min_window_s=3
+bench-accuracy: $(STAMP)
+	$(PY) -m bench.accuracy $(BENCH_ACCURACY_ARGS)
+
+# The capacity sweep runs WhisperLive beside ours too (BENCH_CAPACITY_ARGS=--no-peer: ours only).
+bench-capacity: $(STAMP) $(PEER_STAMP)
+	$(PY) -m bench.capacity $(BENCH_CAPACITY_ARGS)
+
+bench: bench-engine bench-decoder bench-streaming bench-accuracy bench-capacity bench-latency
 
 clean:
 	rm -rf $(VENV) $(PEER_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -170,6 +170,8 @@ class Contender:
                 "tiny.en",
                 "--log-level",
                 "warning",
+                # The capacity runs measure past the server's own estimate, as for the peer.
+                "--no-capacity-limit",
             ]
             ready_url = f"http://127.0.0.1:{self.port}/readyz"
             return ServerProcess("ours", cmd, ready=lambda: http_ok(ready_url), log_path=log)

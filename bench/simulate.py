@@ -127,7 +127,7 @@ def simulate(
             continue
         started = time.perf_counter()
         mel = engine.features(job.audio)
-        window = Window(mel, job.audio_s, job.options, job.prompt, job.prefix)
+        window = Window(mel, job.audio_s, job.options, job.prompt, job.prefix, job.draft)
         decoded = engine.decode_windows([window])[0]
         spent = time.perf_counter() - started
         if decode_cost_s is not None:

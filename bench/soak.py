@@ -142,6 +142,7 @@ class ServerProcess:
         process = await asyncio.create_subprocess_exec(
             *(sys.executable, "-m", "server.cli", "--port", "0"),
             *("--max-sessions", str(max_sessions), "--max-batch-size", "16"),
+            "--no-capacity-limit",  # the soak overloads the server on purpose
             *("--log-level", "info"),
             cwd=REPO,
             stdout=asyncio.subprocess.DEVNULL,

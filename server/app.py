@@ -12,9 +12,16 @@ One port serves both:
 
 Close codes: 1000 after ``done``; 1001 on server shutdown (after ``done``); 1003 bad audio;
 1008 protocol misuse or a client that does not read; 1009 a frame too large; 1011 an internal
-error; 1013 server full or session too long. Everything about one client lives on its
-``_Connection`` and ``Session``; the server only keeps the set of open connections, to finish
-them on shutdown and to report the largest lag.
+error; 1013 server full or session too long.
+
+Admission: a new stream is refused (``server_full``, 1013) when ``max_sessions`` are open, or
+when as many are open as the decode worker is measured to keep in real time
+(``Pipeline.capacity``; ``ServerConfig.capacity_limit``). The check reads the model's current
+estimate and never waits on the decode worker; ``/readyz`` says 503 while the server is full.
+
+Everything about one client lives on its ``_Connection`` and ``Session``; the server only keeps
+the set of open connections, to finish them on shutdown, to count them for admission and to
+report the largest lag.
 """
 
 from __future__ import annotations
@@ -174,6 +181,10 @@ class WhisperwireServer:
         self._closing = False
         self._closed: asyncio.Event | None = None
         self.metrics.stream_lag_s.set_function(self._largest_lag_s)
+        self.metrics.capacity_streams.set_function(lambda: self.capacity_streams)
+        self.metrics.capacity_headroom_streams.set_function(
+            lambda: self.capacity_streams - self.active_sessions
+        )
 
     # -- life cycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -241,8 +252,31 @@ class WhisperwireServer:
 
     @property
     def active_sessions(self) -> int:
-        """Streaming sessions open right now."""
-        return len(self._connections)
+        """Streaming sessions open right now and not yet done: a connection whose session
+        sent ``done`` is only closing, and its stream no longer costs the decode worker (a
+        client that reconnects at once must not find its own last session in the way)."""
+        return sum(1 for conn in self._connections if not conn.done)
+
+    @property
+    def capacity_streams(self) -> int:
+        """Streams the decode worker is estimated to keep in real time, at most
+        ``max_sessions`` (reported even with ``capacity_limit`` off)."""
+        return self.pipeline.capacity.streams(limit=self.config.max_sessions)
+
+    def _full(self) -> str | None:
+        """Why a new stream would be refused now (the ``server_full`` message), or None."""
+        active = self.active_sessions
+        if active >= self.config.max_sessions:
+            return (
+                f"the server is at its limit of {self.config.max_sessions} concurrent "
+                "sessions; try again later"
+            )
+        if self.config.capacity_limit and active >= (capacity := self.capacity_streams):
+            return (
+                f"the server carries {capacity} real-time stream(s) and has {active} open; "
+                "try again later"
+            )
+        return None
 
     async def shutdown(self) -> None:
         """Stop accepting, finish every open session (finals, ``done``, close 1001), stop
@@ -317,10 +351,13 @@ class WhisperwireServer:
         if path == "/healthz":
             return _response(HTTPStatus.OK, "ok\n")
         if path == "/readyz":
-            if self.ready:
-                return _response(HTTPStatus.OK, "ready\n")
-            state = "shutting down" if self._closing else "loading the model"
-            return _response(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {state}\n")
+            if not self.ready:
+                state = "shutting down" if self._closing else "loading the model"
+                return _response(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {state}\n")
+            full = self._full()
+            if full is not None:
+                return _response(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: full: {full}\n")
+            return _response(HTTPStatus.OK, "ready\n")
         if path == "/metrics":
             return _response(HTTPStatus.OK, self.metrics.render(), METRICS_CONTENT_TYPE)
         name = "index.html" if path == "/" else path.removeprefix("/static/").lstrip("/")
@@ -382,15 +419,14 @@ class WhisperwireServer:
         if self._closing or not self.pipeline.ready:
             await _close_quietly(ws, 1001, "server shutting down", self.config.close_timeout_s)
             return
-        if len(self._connections) >= self.config.max_sessions:
-            self.metrics.sessions_refused.inc(1, "server_full")
+        full = self._full()
+        if full is not None:
+            # "capacity": refused by the estimate, below max_sessions.
+            at_max = self.active_sessions >= self.config.max_sessions
+            self.metrics.sessions_refused.inc(1, "server_full" if at_max else "capacity")
             self.metrics.errors.inc(1, "server_full")
-            log.warning("refused: %d sessions open", len(self._connections))
-            message = (
-                f"the server is at its limit of {self.config.max_sessions} concurrent "
-                "sessions; try again later"
-            )
-            await _refuse(ws, "server_full", message, 1013, self.config.close_timeout_s)
+            log.warning("refused: %s", full)
+            await _refuse(ws, "server_full", full, 1013, self.config.close_timeout_s)
             return
         conn = _Connection(self, ws, session_id)
         self._connections.add(conn)
@@ -464,6 +500,11 @@ class _Connection:
     @property
     def lag_s(self) -> float:
         return self.driver.session.lag_s if self.driver is not None else 0.0
+
+    @property
+    def done(self) -> bool:
+        """The session sent ``done``; only the close handshake is left."""
+        return self.driver is not None and self.driver.session.done
 
     def request_stop(self, stop: _Stop) -> None:
         """Finish this session from the server side (the first reason wins)."""

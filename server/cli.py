@@ -2,8 +2,10 @@
 
     whisperwire-server [--host 127.0.0.1] [--port 8765] [--model tiny.en] [--dtype float32]
                        [--quantize-bits 4|8] [--min-context-s 3] [--max-batch-size 8]
-                       [--batch-wait-ms 5] [--max-sessions 32] [--max-session-s 14400]
-                       [--idle-timeout-s 30] [--api-key KEY] [--allowed-origin URL ...]
+                       [--batch-wait-ms 5] [--max-sessions 32] [--no-capacity-limit]
+                       [--capacity-hop-s 1] [--capacity-utilization 0.8]
+                       [--max-session-s 14400] [--idle-timeout-s 30] [--api-key KEY]
+                       [--allowed-origin URL ...]
                        [--tls-cert PEM --tls-key PEM] [--log-level info]
 
 Exit status: 0 after a clean shutdown (SIGINT or SIGTERM); 2 for bad flags, a model that
@@ -103,6 +105,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="concurrent streams; more are refused with 1013 (default %(default)s)",
     )
     limits.add_argument(
+        "--capacity-limit",
+        action=argparse.BooleanOptionalAction,
+        default=s.capacity_limit,
+        help="also refuse (1013) streams beyond what the decode worker is measured to keep in "
+        "real time, up to --max-sessions (default on)",
+    )
+    limits.add_argument(
+        "--capacity-hop-s",
+        type=float,
+        default=p.capacity_hop_s,
+        help="for the capacity estimate: the longest a stream may wait between two decodes "
+        "(default %(default)s)",
+    )
+    limits.add_argument(
+        "--capacity-utilization",
+        type=float,
+        default=p.capacity_utilization,
+        help="for the capacity estimate: the share of that wait the decode worker may be busy "
+        "(default %(default)s)",
+    )
+    limits.add_argument(
         "--max-session-s",
         type=float,
         default=s.max_session_s,
@@ -170,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             port=args.port,
             max_sessions=args.max_sessions,
+            capacity_limit=args.capacity_limit,
             max_session_s=args.max_session_s,
             idle_timeout_s=args.idle_timeout_s,
             api_key=args.api_key,
@@ -178,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
             tls_key_path=args.tls_key,
         )
         pipeline = PipelineConfig(
-            max_batch_size=args.max_batch_size, batch_wait_ms=args.batch_wait_ms
+            max_batch_size=args.max_batch_size,
+            batch_wait_ms=args.batch_wait_ms,
+            capacity_hop_s=args.capacity_hop_s,
+            capacity_utilization=args.capacity_utilization,
         )
         from .engine.engine import EngineConfig
 

@@ -176,8 +176,8 @@ class Metrics:
         )
         self.sessions_refused = Counter(
             "whisperwire_sessions_refused_total",
-            "Connections refused, by reason (server_full, unauthorized, forbidden_origin, "
-            "not_ready)",
+            "Connections refused, by reason (server_full: at max_sessions; capacity: at the "
+            "capacity estimate; unauthorized, forbidden_origin, not_ready)",
             ("reason",),
         )
         self.audio_received_s = Counter(
@@ -214,6 +214,15 @@ class Metrics:
         self.errors = Counter(
             "whisperwire_errors_total", "Error messages sent to clients, by code", ("code",)
         )
+        self.capacity_streams = Gauge(
+            "whisperwire_capacity_streams",
+            "Streams the decode worker is estimated to keep in real time (at most max_sessions)",
+        )
+        self.capacity_headroom_streams = Gauge(
+            "whisperwire_capacity_headroom_streams",
+            "Capacity estimate minus open sessions (negative: more are open, with the limit off "
+            "or after the estimate fell)",
+        )
 
     def all(self) -> list[_Metric]:
         """Every metric, in the order they are rendered."""
@@ -231,6 +240,8 @@ class Metrics:
             self.realtime_factor,
             self.stream_lag_s,
             self.errors,
+            self.capacity_streams,
+            self.capacity_headroom_streams,
         ]
 
     def observe_batch(self, size: int, elapsed_s: float, audio_s: float) -> None:

@@ -18,6 +18,10 @@ does not read; the driver reports ``DriverOutcome.OVERFLOW`` and the connection 
 
 The event loop never waits on MLX: it only waits on futures the decode worker settles through
 ``loop.call_soon_threadsafe``. Nothing sleeps to poll; shutdown (``Pipeline.close``) is awaited.
+
+Capacity: every engine call the worker makes for clients is timed into ``Pipeline.capacity``
+(``server.capacity``), which the app asks how many streams to admit. ``start`` seeds it with a
+few timed calls on synthetic windows, so the estimate exists before the first client.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from .config import PipelineConfig
+from .capacity import CapacityModel
+from .config import SAMPLE_RATE_HZ, PipelineConfig
 from .engine.decoder import DecodeResult
 from .engine.engine import Window
 from .errors import DecodeError
@@ -187,6 +192,22 @@ class _Request:
 _Outcome = DecodeResult | Exception
 
 
+@dataclass(frozen=True)
+class _BatchRun:
+    """What the decode worker did with one batch."""
+
+    outcomes: list[_Outcome]  # one per window: its result or its error
+    elapsed_s: float  # wall time in the engine, retries included
+    whole: bool  # one engine call decoded every window: elapsed_s is that call's cost
+
+
+# Startup calibration of the capacity model: (windows, seconds of audio each) per timed call,
+# in multiples of the typical window. Batches of one at two lengths and one batch of several
+# tell the per-call, per-window and per-audio-second costs apart.
+_CALIBRATION_SHAPES = ((1, 1.0), (1, 2.0), (4, 1.0))
+_CALIBRATION_NOISE_LEVEL = 0.01  # faint noise, like Engine.warmup's
+
+
 class Pipeline:
     """Features, batching scheduler and decode worker, shared by every connection.
 
@@ -199,6 +220,11 @@ class Pipeline:
     ) -> None:
         self.config = config or PipelineConfig()
         self.metrics = metrics or Metrics()
+        self.capacity = CapacityModel(
+            hop_s=self.config.capacity_hop_s,
+            utilization=self.config.capacity_utilization,
+            max_batch_size=self.config.max_batch_size,
+        )
         self._engine: SpeechEngine | None = None
         self._worker = DecodeWorker()
         self._features_pool = ThreadPoolExecutor(
@@ -211,16 +237,19 @@ class Pipeline:
         self._changed = asyncio.Event()
         self._scheduler: asyncio.Task[None] | None = None
         self._in_flight: list[_Request] = []
+        self._streams = 0  # open streams: add_stream / remove_stream
         self._closed = False
 
     # -- life cycle ------------------------------------------------------------------------
     async def start(
         self, load_engine: Callable[[], SpeechEngine], *, warmup: bool = True
     ) -> SpeechEngine:
-        """Load the engine on the decode thread, warm it up there, and start scheduling.
+        """Load the engine on the decode thread, warm it up and seed the capacity model there,
+        and start scheduling.
 
         Raises whatever ``load_engine`` raises (``ModelError`` for a model that cannot be
-        loaded); call ``close`` afterwards either way.
+        loaded); call ``close`` afterwards either way. Without ``warmup`` the capacity model
+        waits for the clients' first calls.
         """
         if self._closed:
             raise RuntimeError("the pipeline is closed")
@@ -229,6 +258,7 @@ class Pipeline:
         if warmup:
             seconds = await self._worker.call(engine.warmup)
             logger.info("warmed up %s in %.2f s", engine.name, seconds)
+            await self._calibrate(engine)
         self._engine = engine
         self._scheduler = asyncio.create_task(self._schedule(), name="whisperwire-scheduler")
         self.metrics.ready.set(1)
@@ -244,6 +274,27 @@ class Pipeline:
         if self._engine is None:
             raise RuntimeError("the pipeline has no engine yet; await start() first")
         return self._engine
+
+    @property
+    def streams(self) -> int:
+        """Streams with a driver on this pipeline right now."""
+        return self._streams
+
+    def add_stream(self) -> None:
+        """A stream started feeding this pipeline (``StreamDriver`` calls it)."""
+        self._streams += 1
+
+    def remove_stream(self) -> None:
+        """A stream ended; every ``add_stream`` is matched by one of these."""
+        self._streams -= 1
+
+    def stream_hop_s(self) -> float:
+        """The least new audio a stream gathers before its next decode, from the measured
+        decode cost of a round of every open stream (``CapacityModel.stream_hop_s``): at light load
+        below every session's own cadence, so each decodes as soon as its policy asks; as
+        streams are added, longer hops and fuller batches keep the worker within
+        ``capacity_utilization`` and every stream's lag bounded."""
+        return self.capacity.stream_hop_s(self._streams)
 
     @property
     def queued(self) -> int:
@@ -277,13 +328,32 @@ class Pipeline:
         # Nothing is queued on the pool any more: every caller awaited its features.
         self._features_pool.shutdown(wait=False, cancel_futures=True)
 
+    async def _calibrate(self, engine: SpeechEngine) -> None:
+        """Time a few engine calls on noise windows into the capacity model (after warmup:
+        first-call costs would inflate them)."""
+        window_s = self.capacity.typical_window_s
+        for windows, multiple in _CALIBRATION_SHAPES:
+            size = min(windows, self.config.max_batch_size)
+            run = await self._worker.call(
+                functools.partial(_calibration_run, engine, size, window_s * multiple)
+            )
+            if not run.whole:
+                logger.warning(
+                    "calibration call of %d window(s) failed; the capacity estimate waits "
+                    "for the clients' calls",
+                    size,
+                )
+                continue
+            self.capacity.seed([window_s * multiple] * size, run.elapsed_s)
+        logger.info("capacity model: %s", self.capacity.describe())
+
     # -- stages ----------------------------------------------------------------------------
     async def features(self, job: DecodeJob) -> Window:
         """Stage 2: the job's log-mel, computed in the feature thread pool."""
         engine = self.engine
         loop = asyncio.get_running_loop()
         mel = await loop.run_in_executor(self._features_pool, engine.features, job.audio)
-        return Window(mel, job.audio_s, job.options, job.prompt, job.prefix)
+        return Window(mel, job.audio_s, job.options, job.prompt, job.prefix, job.draft)
 
     async def enqueue(self, job: DecodeJob, window: Window) -> asyncio.Future[DecodeResult]:
         """Stage 3: queue a window for the decode worker; waits while the queue is full.
@@ -344,7 +414,9 @@ class Pipeline:
             # without it streams that take turns would never share a batch.
             oldest = min(r.queued_at for _, _, r in self._heap)
             deadline = max(oldest, worker_free_at) + wait_s
-            while len(self._heap) < self.config.max_batch_size:
+            # Nobody else to wait for once every open stream has its window queued.
+            company = min(self.config.max_batch_size, max(1, self._streams))
+            while len(self._heap) < company:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
@@ -359,18 +431,21 @@ class Pipeline:
             self._in_flight = batch
             windows = [r.window for r in batch]
             try:
-                outcomes, elapsed_s = await self._worker.call(
-                    functools.partial(_decode_batch, engine, windows)
-                )
+                run = await self._worker.call(functools.partial(_decode_batch, engine, windows))
             except Exception as exc:
                 # _decode_batch catches engine errors itself; this is a bug in the worker
                 # plumbing. Fail this batch, keep the scheduler alive for everyone else.
                 logger.error("decode worker call failed", exc_info=True)
-                outcomes, elapsed_s = [exc] * len(batch), 0.0
+                run = _BatchRun([exc] * len(batch), 0.0, whole=False)
             self._in_flight = []
             worker_free_at = loop.time()
-            self.metrics.observe_batch(len(batch), elapsed_s, sum(w.audio_s for w in windows))
-            for request, outcome in zip(batch, outcomes, strict=True):
+            audio_s = [w.audio_s for w in windows]
+            self.metrics.observe_batch(len(batch), run.elapsed_s, sum(audio_s))
+            if run.whole:
+                # A failed batch's time (the failure, then each window alone) is not what a
+                # batch of this size costs.
+                self.capacity.observe(audio_s, run.elapsed_s)
+            for request, outcome in zip(batch, run.outcomes, strict=True):
                 if isinstance(outcome, Exception):
                     _settle(request.future, None, outcome)
                 else:
@@ -385,7 +460,7 @@ def _as_decode_error(exc: Exception) -> DecodeError:
     return error
 
 
-def _decode_batch(engine: SpeechEngine, windows: list[Window]) -> tuple[list[_Outcome], float]:
+def _decode_batch(engine: SpeechEngine, windows: list[Window]) -> _BatchRun:
     """Runs on the decode worker thread. One outcome per window: a result or the error."""
     started = time.perf_counter()
     outcomes: list[_Outcome]
@@ -393,7 +468,7 @@ def _decode_batch(engine: SpeechEngine, windows: list[Window]) -> tuple[list[_Ou
         results = engine.decode_windows(windows)
         if len(results) != len(windows):
             raise DecodeError(f"engine returned {len(results)} results for {len(windows)} windows")
-        outcomes = list(results)
+        return _BatchRun(list(results), time.perf_counter() - started, whole=True)
     except Exception as exc:
         # Any engine failure, not only DecodeError: a bug triggered by one window must fail
         # that window's job, not the worker and not the other sessions in the batch.
@@ -402,7 +477,18 @@ def _decode_batch(engine: SpeechEngine, windows: list[Window]) -> tuple[list[_Ou
             outcomes = [_as_decode_error(exc)]
         else:
             outcomes = [_decode_alone(engine, w) for w in windows]
-    return outcomes, time.perf_counter() - started
+    return _BatchRun(outcomes, time.perf_counter() - started, whole=False)
+
+
+def _calibration_run(engine: SpeechEngine, windows: int, audio_s: float) -> _BatchRun:
+    """Runs on the decode worker thread: one timed call on ``windows`` noise windows (the
+    features are computed before the clock starts)."""
+    rng = np.random.default_rng(windows)
+    batch = []
+    for _ in range(windows):
+        noise = rng.standard_normal(round(audio_s * SAMPLE_RATE_HZ)) * _CALIBRATION_NOISE_LEVEL
+        batch.append(Window(engine.features(noise.astype(np.float32)), audio_s))
+    return _decode_batch(engine, batch)
 
 
 def _decode_alone(engine: SpeechEngine, window: Window) -> _Outcome:
@@ -447,6 +533,8 @@ class StreamDriver:
         self._decoding: asyncio.Task[None] | None = None
         self._closed = False
         self._overflowed = False
+        self._registered = True
+        pipeline.add_stream()
 
     # -- input -----------------------------------------------------------------------------
     def receive_audio(self, data: bytes) -> None:
@@ -479,6 +567,7 @@ class StreamDriver:
         """Abandon the stream (the client is gone or the connection is closing): cancel the
         decode in flight and stop producing messages."""
         self._closed = True
+        self._unregister()
         task = self._decoding
         if task is not None:
             task.cancel()
@@ -490,7 +579,7 @@ class StreamDriver:
             return
         self._flush()
         if self._decoding is None:
-            job = self.session.next_job()
+            job = self.session.next_job(min_hop_s=self.pipeline.stream_hop_s())
             if job is not None:
                 self._decoding = asyncio.create_task(
                     self._decode(job), name=f"decode-{self.session.session_id}-{job.job_id}"
@@ -540,6 +629,12 @@ class StreamDriver:
             self._overflowed = True
             self._finish(DriverOutcome.OVERFLOW)
 
+    def _unregister(self) -> None:
+        if self._registered:
+            self._registered = False
+            self.pipeline.remove_stream()
+
     def _finish(self, outcome: DriverOutcome) -> None:
+        self._unregister()
         if not self.outcome.done():
             self.outcome.set_result(outcome)

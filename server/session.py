@@ -10,8 +10,9 @@ How text is produced:
   time ``min_new_audio_ms`` of new audio has arrived and no decode of this session is in
   flight. Words already committed in the window are forced as the decoder's prefix, so each
   decode only proposes the tail after them.
-- LocalAgreement-n commits the words that n consecutive tails agree on (``hypothesis.py``).
-  Committed words go out at once as a ``final``; the rest goes out as a ``partial``.
+- The commit policy (``policy.py``) commits the words that n consecutive tails agree on once
+  the window has enough audio around them. Committed words go out at once as a ``final``;
+  the rest goes out as a ``partial``.
 - The window is cut after a committed word that ends a sentence, and at the last committed
   word when it grows past ``max_window_s``; committed text before the cut is the prompt.
 - At the end of speech, on ``flush`` and on ``end``, the window is decoded once more and
@@ -34,7 +35,7 @@ from .buffer import SampleBuffer
 from .config import SAMPLE_RATE_HZ, AudioFormat, StreamingConfig, VadConfig
 from .engine.options import DecodeOptions
 from .errors import ProtocolError
-from .hypothesis import LocalAgreement, Word, normalize_word
+from .hypothesis import Word, normalize_word
 from .messages import (
     AUTO_LANGUAGE,
     ConfigMessage,
@@ -50,6 +51,7 @@ from .messages import (
     WordInfo,
     parse_client_message,
 )
+from .policy import CommitPolicy
 from .vad import SpeechEnded, SpeechStarted, VadSegmenter
 
 if TYPE_CHECKING:
@@ -60,10 +62,7 @@ logger = logging.getLogger("server.session")
 Float32Array = npt.NDArray[np.float32]
 SENTENCE_END = (".", "?", "!", "。", "？", "！")
 CLAUSE_END = (",", ";", ":", "，", "；", "：")
-MIN_CUT_WINDOW_S = 2.0  # do not cut windows shorter than this at a sentence end
 CUT_OVERLAP_WORDS = 3  # longest repeat of the pre-cut words looked for after a cut
-HOLD_LAST_WORDS = 1  # words at the end of a window that wait for more audio before committing
-SETTLED_AFTER_S = 0.4  # ...unless the window goes on this long after the last word's end
 MAX_DECODE_FAILURES = 3  # per segment, before its remaining audio is given up with an error
 FIRST_WORDS_WINDOW_S = 3.0  # a segment without words after this decodes at the usual pace
 IDLE_KEEP_S = 1.0  # audio kept while nobody speaks, for the VAD's look-back padding
@@ -88,6 +87,7 @@ class DecodeJob:
     prompt: tuple[int, ...]
     prefix: tuple[int, ...]
     closing: bool  # the last decode of this window: everything it returns is committed
+    draft: tuple[int, ...] = ()  # the window's previous decoder output: a guess that saves steps
     created_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -105,8 +105,9 @@ class _Segment:
     decoded_to: int = 0  # end sample of the last decode's window
     committed: list[Word] = field(default_factory=list)  # committed in the current window
     committed_tokens: list[int] = field(default_factory=list)
-    agreement: LocalAgreement = field(default_factory=LocalAgreement)
+    policy: CommitPolicy = field(default_factory=CommitPolicy)
     tentative: list[Word] = field(default_factory=list)
+    draft: tuple[int, ...] = ()  # DecodeResult.sequence of the window's last decode
     failures: int = 0
     before_cut: list[Word] = field(default_factory=list)  # last words committed before a cut
     # End sample of the last decode of the current window that came back with a result. Unlike
@@ -259,13 +260,20 @@ class Session:
         now_s = self.audio_received_s
         if isinstance(event, SpeechStarted):
             start = max(event.start_sample, self._buffer.start)
-            self._segments.append(
-                _Segment(start=start, window_start=start, decoded_to=start, heard_to=start)
-            )
+            self._segments.append(self._new_segment(start))
             self._events.append(SpeechStartedMessage(start / SAMPLE_RATE_HZ, now_s))
         else:
             self._events.append(SpeechEndedMessage(event.end_sample / SAMPLE_RATE_HZ, now_s))
             self._close_open_segment(event.end_sample, reopen=False)
+
+    def _new_segment(self, start: int) -> _Segment:
+        return _Segment(
+            start=start,
+            window_start=start,
+            decoded_to=start,
+            heard_to=start,
+            policy=CommitPolicy(self.streaming.commit),
+        )
 
     def _close_open_segment(self, end: int, *, reopen: bool) -> None:
         if self._segments and self._segments[-1].end is None:
@@ -273,9 +281,7 @@ class Session:
             seg.end = max(end, seg.window_start)
             self._speech_samples += seg.end - seg.start
             if reopen:
-                self._segments.append(
-                    _Segment(start=end, window_start=end, decoded_to=end, heard_to=end)
-                )
+                self._segments.append(self._new_segment(end))
 
     def _trim(self) -> None:
         if self._segments:
@@ -285,8 +291,13 @@ class Session:
         self._buffer.trim(keep_from)
 
     # -- decode jobs ---------------------------------------------------------------------
-    def next_job(self) -> DecodeJob | None:
-        """The next window to decode, or None (one job per session is in flight at most)."""
+    def next_job(self, *, min_hop_s: float = 0.0) -> DecodeJob | None:
+        """The next window to decode, or None (one job per session is in flight at most).
+
+        ``min_hop_s``: the scheduler's floor on the new audio a decode waits for, raised as
+        the server gets busier (``Pipeline.stream_hop_s``); the session's own cadence applies
+        when it is higher. Closing decodes never wait.
+        """
         if self._in_flight is not None or not self._segments:
             return None
         seg = self._segments[0]
@@ -302,7 +313,8 @@ class Session:
                 if first_words and end - seg.start < FIRST_WORDS_WINDOW_S * SAMPLE_RATE_HZ
                 else self.streaming.min_new_audio_ms
             )
-            if new * 1000 < need_ms * SAMPLE_RATE_HZ:
+            need_s = max(need_ms / 1000, min_hop_s)
+            if new < need_s * SAMPLE_RATE_HZ:
                 return None
         max_window = int(self.streaming.max_window_s * SAMPLE_RATE_HZ)
         if end - seg.window_start > max_window:
@@ -327,6 +339,7 @@ class Session:
             else (),
             prefix=tuple(seg.committed_tokens),
             closing=closing,
+            draft=seg.draft,
         )
         self._next_job_id += 1
         seg.decoded_to = end
@@ -344,11 +357,15 @@ class Session:
         if self._language is None and result.language:
             self._language = result.language
         self._prompt_ok = result.stop_reason not in ("repetition", "compression")
+        seg.draft = result.sequence
         tail = self._tail_words(job, result)
-        committed = seg.agreement.update(tail, hold=self._hold(job, tail))
-        if job.closing:
-            committed += seg.agreement.finalize()
-        seg.tentative = seg.agreement.tentative
+        committed = seg.policy.update(
+            tail,
+            window_start_s=job.start_s,
+            window_end_s=job.start_s + job.audio_s,
+            closing=job.closing,
+        )
+        seg.tentative = seg.policy.tentative
         self._commit(seg, committed, result, job)
         self._emit_partial(seg)
         if job.closing:
@@ -373,26 +390,13 @@ class Session:
         if seg.failures >= MAX_DECODE_FAILURES:
             # Keep what was shown; the audio that could not be decoded is reported, not retried
             # forever.
-            self._commit(seg, seg.agreement.finalize(), None, None)
+            self._commit(seg, seg.policy.finalize(), None, None)
             if seg.end is None:
                 self._close_open_segment(seg.window_start + job.audio.shape[0], reopen=True)
             self._finish_segment_if_closed(seg, decoded=False)
             self._maybe_done()
         else:
             seg.decoded_to = seg.window_start  # retried with the next audio
-
-    def _hold(self, job: DecodeJob, tail: list[Word]) -> int:
-        """How many of the newest words must wait for another decode before they can commit.
-
-        The last word of a window may be cut off mid-way, unless the audio goes on well past
-        its end: a speaker who stopped is not kept waiting for the segment to close.
-        """
-        if job.closing:
-            return 0
-        window_end_s = job.start_s + job.audio.shape[0] / SAMPLE_RATE_HZ
-        if tail and window_end_s - tail[-1].end_s >= SETTLED_AFTER_S:
-            return 0
-        return HOLD_LAST_WORDS
 
     def _tail_words(self, job: DecodeJob, result: DecodeResult) -> list[Word]:
         """Words after the forced prefix, in stream time."""
@@ -494,8 +498,9 @@ class Session:
         seg.before_cut = seg.committed[-CUT_OVERLAP_WORDS:]
         seg.committed.clear()
         seg.committed_tokens.clear()
-        seg.agreement.reset()
+        seg.policy.reset()
         seg.tentative = []
+        seg.draft = ()
         self._trim()
 
     def _maybe_cut_at_sentence(self, seg: _Segment) -> None:
@@ -506,7 +511,7 @@ class Session:
         last = seg.committed[-1].text.rstrip()
         at = round(seg.committed[-1].end_s * SAMPLE_RATE_HZ)
         window_s = (at - seg.window_start) / SAMPLE_RATE_HZ
-        if (last.endswith(SENTENCE_END) and window_s >= MIN_CUT_WINDOW_S) or (
+        if (last.endswith(SENTENCE_END) and window_s >= self.streaming.sentence_cut_s) or (
             last.endswith(CLAUSE_END) and window_s >= self.streaming.clause_cut_s
         ):
             self._cut(seg, at)
@@ -542,7 +547,7 @@ class Session:
         and a cut there would skip it. Without a cut the next job is the window's first
         ``max_window_s``; the cut follows once that was decoded."""
         if not seg.committed and seg.tentative:
-            self._commit(seg, seg.agreement.finalize(), None, None)
+            self._commit(seg, seg.policy.finalize(), None, None)
         heard = min(seg.heard_to, limit)
         at = round(seg.committed[-1].end_s * SAMPLE_RATE_HZ) if seg.committed else heard
         if at <= seg.window_start:

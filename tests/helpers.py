@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import threading
+import time
 import wave
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -135,16 +136,29 @@ class ScriptedEngine:
     LocalAgreement commits them as audio grows. ``fail_when(window)`` chooses windows whose
     batch raises ``DecodeError``. Clear ``release`` to hold the worker inside
     ``decode_windows`` (``entered`` is set when it gets there). ``batches`` records the
-    ``audio_s`` of every window of every call, in call order.
+    ``audio_s`` of every window of every call, in call order; ``calls_finished`` counts the
+    calls that returned or raised.
+
+    ``call_cost_s`` and ``window_cost_s`` model a decode's cost: each call sleeps (on the
+    decode thread, like a real decode) ``call_cost_s + window_cost_s * len(windows)``.
     """
 
     name = "scripted"
     WORD_S = 0.5
 
-    def __init__(self, fail_when: Callable[[Window], bool] | None = None) -> None:
+    def __init__(
+        self,
+        fail_when: Callable[[Window], bool] | None = None,
+        *,
+        call_cost_s: float = 0.0,
+        window_cost_s: float = 0.0,
+    ) -> None:
         self.dims = ScriptedDims()
         self.fail_when = fail_when
+        self.call_cost_s = call_cost_s
+        self.window_cost_s = window_cost_s
         self.batches: list[list[float]] = []
+        self.calls_finished = 0
         self.entered = threading.Event()
         self.release = threading.Event()
         self.release.set()
@@ -167,10 +181,16 @@ class ScriptedEngine:
     def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
         self.batches.append([w.audio_s for w in windows])
         self.entered.set()
-        self.release.wait()
-        if self.fail_when is not None and any(self.fail_when(w) for w in windows):
-            raise DecodeError("scripted failure")
-        return [self._result(w) for w in windows]
+        try:
+            self.release.wait()
+            cost_s = self.call_cost_s + self.window_cost_s * len(windows)
+            if cost_s > 0:
+                time.sleep(cost_s)
+            if self.fail_when is not None and any(self.fail_when(w) for w in windows):
+                raise DecodeError("scripted failure")
+            return [self._result(w) for w in windows]
+        finally:
+            self.calls_finished += 1
 
     def _result(self, window: Window) -> DecodeResult:
         from server.engine.decoder import DecodeResult

@@ -16,7 +16,6 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +30,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from server.app import WhisperwireServer
 from server.audio import pcm_s16le_bytes
-from server.config import SAMPLE_RATE_HZ, ServerConfig, StreamingConfig
+from server.config import SAMPLE_RATE_HZ, PipelineConfig, ServerConfig, StreamingConfig
 from server.errors import ModelNotFoundError, StreamError
 from server.messages import MAX_TEXT_MESSAGE_BYTES
 from server.pipeline import SpeechEngine
@@ -131,12 +130,15 @@ def check_nothing_lost(outcome: StreamOutcome, *, sent_s: float | None = None) -
 
 @contextlib.asynccontextmanager
 async def scripted_server(
-    engine: SpeechEngine | None = None, **overrides: Any
+    engine: SpeechEngine | None = None,
+    *,
+    pipeline: PipelineConfig | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[WhisperwireServer]:
     """A server on a free port with the scripted test-double engine (or ``engine``)."""
     config = ServerConfig(host="127.0.0.1", port=0, **overrides)
     chosen = engine or ScriptedEngine()
-    async with WhisperwireServer(lambda: chosen, server=config) as server:
+    async with WhisperwireServer(lambda: chosen, server=config, pipeline=pipeline) as server:
         yield server
 
 
@@ -327,6 +329,8 @@ async def test_http_routes(server_url: str) -> None:
         "whisperwire_decode_queue_depth",
         "whisperwire_decode_realtime_factor",
         "whisperwire_errors_total",
+        "whisperwire_capacity_streams",
+        "whisperwire_capacity_headroom_streams",
     ):
         assert f"\n{name}" in page or f"# TYPE {name}" in page, name
     assert metric_value(page, "whisperwire_ready") == 1
@@ -812,6 +816,150 @@ async def test_many_clients_that_never_read_are_dropped_and_others_are_served(
         assert without_timing(after) == alone
 
 
+# --------------------------------------------------------------------------- capacity
+#
+# The scripted engine with a modelled cost: 0.1 s a call and 0.2 s a window. A round of every
+# stream may take 0.6 s, in batches of two: two streams take 0.5 s, three 0.8 s (a batch of
+# two, then one), so the capacity estimate is two streams.
+
+CAPACITY_PIPELINE = PipelineConfig(max_batch_size=2, capacity_hop_s=0.6, capacity_utilization=1.0)
+REFUSED = "whisperwire_sessions_refused_total"
+
+
+def costly_engine() -> ScriptedEngine:
+    return ScriptedEngine(call_cost_s=0.1, window_cost_s=0.2)
+
+
+async def wait_for_sessions(server: WhisperwireServer, count: int) -> None:
+    """Until the server has let go of closed sessions (its handlers end after the close)."""
+    async with asyncio.timeout(WAIT_S):
+        while server.active_sessions != count:
+            await asyncio.sleep(0.01)
+
+
+async def refused_stream(url: str) -> tuple[dict[str, Any], int | None, float]:
+    """Connect to a full server: its one message, the close code, seconds until closed."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    async with connect(url) as ws:
+        message = json.loads(await ws.recv())
+        await read_until_closed(ws, [])
+    return message, ws.close_code, loop.time() - started
+
+
+async def test_a_stream_beyond_the_capacity_estimate_is_refused_at_once(speech_dir: Path) -> None:
+    engine = costly_engine()
+    frame = one_frame(load_clip(speech_dir / COMPANION_CLIP))
+    async with scripted_server(engine, pipeline=CAPACITY_PIPELINE) as srv:
+        url = stream_url(srv.url)
+        page = srv.metrics.render()
+        assert metric_value(page, "whisperwire_capacity_streams") == 2  # from the seeds
+        assert metric_value(page, "whisperwire_capacity_headroom_streams") == 2
+        async with connect(url) as first, connect(url) as second:
+            for ws in (first, second):
+                assert json.loads(await ws.recv())["type"] == "ready"
+            status, _, body = await http_get(srv.http_url + "/readyz")
+            assert status == 503 and body.startswith(b"not ready: full"), body
+            page = srv.metrics.render()
+            assert metric_value(page, "whisperwire_capacity_headroom_streams") == 0
+            # The refusal must not wait for the decode worker: refuse while it decodes.
+            engine.entered.clear()
+            await first.send(frame)
+            assert await asyncio.to_thread(engine.entered.wait, WAIT_S)
+            calls = engine.calls_finished
+            error, code, elapsed_s = await refused_stream(url)
+            assert engine.calls_finished == calls  # the decode (0.3 s) was still running
+            assert (error["code"], error["fatal"], code) == ("server_full", True, 1013)
+            assert elapsed_s < 0.1
+            assert metric_value(srv.metrics.render(), REFUSED + '{reason="capacity"}') == 1
+            # One leaves: the server is ready again and admits the next stream.
+            await first.send('{"type": "end"}')
+            messages: list[dict[str, Any]] = []
+            await read_until_closed(first, messages)
+            check_nothing_lost(StreamOutcome(messages, first.close_code, first.close_reason))
+            assert first.close_code == 1000
+            await wait_for_sessions(srv, 1)
+            status, _, _ = await http_get(srv.http_url + "/readyz")
+            assert status == 200
+            async with connect(url) as third:
+                assert json.loads(await third.recv())["type"] == "ready"
+            assert second.state.name == "OPEN"
+        assert srv.capacity_streams == 2  # the clients' calls cost what the seeds did
+
+
+async def test_a_session_that_sent_done_no_longer_counts_against_capacity(
+    speech_dir: Path,
+) -> None:
+    frame = one_frame(load_clip(speech_dir / COMPANION_CLIP))
+    async with scripted_server(costly_engine(), pipeline=CAPACITY_PIPELINE) as srv:
+        url = stream_url(srv.url)
+        assert srv.capacity_streams == 2
+        async with connect(url) as holder, connect(url) as leaving:
+            for ws in (holder, leaving):
+                assert json.loads(await ws.recv())["type"] == "ready"
+            await leaving.send(frame)
+            await leaving.send('{"type": "end"}')
+            while json.loads(await leaving.recv())["type"] != "done":
+                pass
+            # ``leaving`` has not answered the close yet: its connection is still open, but
+            # its stream costs nothing any more; a client reconnecting at once gets in.
+            async with connect(url) as newcomer:
+                assert json.loads(await newcomer.recv())["type"] == "ready"
+            assert holder.state.name == "OPEN"
+
+
+async def stream_paced(
+    url: str, frames: list[bytes], *, started: asyncio.Event, frame_s: float = 0.1
+) -> StreamOutcome:
+    """Like ``stream_frames``, but one frame every ``frame_s``, as a microphone sends them;
+    ``started`` is set after the first second."""
+    loop = asyncio.get_running_loop()
+    async with connect(url) as ws:
+        messages: list[dict[str, Any]] = [json.loads(await ws.recv())]
+        reader = asyncio.create_task(read_until_closed(ws, messages))
+        first = loop.time()
+        for k, frame in enumerate(frames):
+            # Pacing, not waiting for readiness: frame k exists once its audio was recorded.
+            await asyncio.sleep(max(0.0, first + (k + 1) * frame_s - loop.time()))
+            await ws.send(frame)
+            if k == round(1.0 / frame_s):
+                started.set()
+        await ws.send('{"type": "end"}')
+        await reader
+    return StreamOutcome(messages, ws.close_code, ws.close_reason)
+
+
+async def test_a_burst_of_newcomers_is_refused_and_the_admitted_streams_keep_up(
+    speech_dir: Path,
+) -> None:
+    speech = load_clip(speech_dir / COMPANION_CLIP)[: 4 * SAMPLE_RATE_HZ]
+    frames = pcm_frames(np.concatenate([speech, np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)]))
+    async with scripted_server(costly_engine(), pipeline=CAPACITY_PIPELINE) as srv:
+        url = stream_url(srv.url)
+        started = [asyncio.Event(), asyncio.Event()]
+        streams = asyncio.gather(*(stream_paced(url, frames, started=e) for e in started))
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), WAIT_S)
+        burst = await asyncio.wait_for(
+            asyncio.gather(*(refused_stream(url) for _ in range(20))), WAIT_S
+        )
+        outcomes = await asyncio.wait_for(streams, WAIT_S)
+        page = srv.metrics.render()
+    for error, code, elapsed_s in burst:
+        assert (error["code"], error["fatal"], code) == ("server_full", True, 1013)
+        assert elapsed_s < 0.5  # twenty at once on one event loop; one alone takes ~1 ms
+    assert metric_value(page, REFUSED + '{reason="capacity"}') == 20
+    assert metric_value(page, 'whisperwire_errors_total{code="internal"}') == 0
+    for outcome in outcomes:
+        check_message_shapes(outcome)  # done accounts for every second, nothing failed
+        done = outcome.messages[-1]
+        assert done["failed_s"] == 0 and done["transcribed_s"] == done["speech_s"] > 3
+        assert outcome.text.startswith("w0 w1 w2"), outcome.text
+        lags = [m["lag_s"] for m in outcome.of_type("partial") + outcome.of_type("final")]
+        # A round of the two takes 0.5 s (lags of 0.5 s here); room for a loaded machine.
+        # Admitting the 22 would make a round 5.5 s (eleven batches of two).
+        assert max(lags) <= 1.5, lags
+
+
 # --------------------------------------------------------------------------- faults, overload
 
 
@@ -878,18 +1026,6 @@ async def test_a_failing_decode_fails_only_its_session_in_a_shared_batch(
         assert srv.metrics.errors.value("internal") == 0
 
 
-class SlowEngine(ScriptedEngine):
-    """The scripted engine with a fixed cost per engine call, to overload the server."""
-
-    def __init__(self, delay_s: float) -> None:
-        super().__init__()
-        self.delay_s = delay_s
-
-    def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
-        time.sleep(self.delay_s)  # runs on the decode thread, like a real decode
-        return super().decode_windows(windows)
-
-
 async def test_an_overloaded_server_falls_behind_and_reports_it_without_dropping_audio(
     speech_dir: Path,
 ) -> None:
@@ -897,7 +1033,9 @@ async def test_an_overloaded_server_falls_behind_and_reports_it_without_dropping
     # while every engine call takes 0.25 s.
     audio = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
     frames = pcm_frames(audio[: 45 * SAMPLE_RATE_HZ])
-    async with scripted_server(SlowEngine(delay_s=0.25)) as srv:
+    # A fixed cost per engine call: batching two streams costs no more than one, so the
+    # capacity estimate admits both; the audio, sent faster than real time, overloads it.
+    async with scripted_server(ScriptedEngine(call_cost_s=0.25)) as srv:
         url = stream_url(srv.url)
         outcomes = await asyncio.wait_for(
             asyncio.gather(*(stream_frames(url, frames) for _ in range(2))), WAIT_S
@@ -919,6 +1057,7 @@ async def test_sigterm_under_load_delivers_every_final(
     """The real CLI server with the real model, SIGTERM while three clients stream."""
     process = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "server.cli", "--port", "0", "--log-level", "info"),
+        "--no-capacity-limit",  # three streams on a CPU estimated to carry fewer
         cwd=REPO,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,

@@ -66,6 +66,7 @@ async def scripted() -> AsyncIterator[tuple[Pipeline, ScriptedEngine]]:
     engine = ScriptedEngine(fail_when=lambda w: w.audio_s == 1.5)
     pipeline = Pipeline(PipelineConfig(max_batch_size=8, batch_wait_ms=0.0))
     await pipeline.start(lambda: engine)
+    engine.batches.clear()  # the capacity calibration's calls; the tests count their own
     try:
         yield pipeline, engine
     finally:
@@ -156,6 +157,9 @@ async def test_a_window_arriving_within_the_batch_wait_joins_the_batch() -> None
     # the batch, which then goes at once (the test does not take batch_wait_ms).
     pipeline = Pipeline(PipelineConfig(max_batch_size=2, batch_wait_ms=1000.0))
     await pipeline.start(lambda: engine)
+    engine.batches.clear()  # the capacity calibration's calls
+    pipeline.add_stream()
+    pipeline.add_stream()
     try:
         [first] = await queue_jobs(pipeline, [make_job(1.0, created_at=1.0)])
         for _ in range(3):
@@ -163,6 +167,38 @@ async def test_a_window_arriving_within_the_batch_wait_joins_the_batch() -> None
         [second] = await queue_jobs(pipeline, [make_job(2.0, created_at=2.0)])
         await asyncio.wait_for(asyncio.gather(first, second), WAIT_S)
         assert engine.batches == [[1.0, 2.0]]
+    finally:
+        await pipeline.close()
+
+
+async def test_the_only_stream_never_waits_for_company() -> None:
+    engine = ScriptedEngine()
+    pipeline = Pipeline(PipelineConfig(max_batch_size=4, batch_wait_ms=1000.0))
+    await pipeline.start(lambda: engine)
+    engine.batches.clear()
+    pipeline.add_stream()
+    try:
+        [only] = await queue_jobs(pipeline, [make_job(1.0, created_at=1.0)])
+        await asyncio.wait_for(only, 0.5)  # far less than the batch wait
+        assert engine.batches == [[1.0]]
+    finally:
+        await pipeline.close()
+
+
+async def test_the_hop_grows_with_the_streams_open() -> None:
+    engine = ScriptedEngine(call_cost_s=0.05, window_cost_s=0.1)
+    pipeline = Pipeline(PipelineConfig(max_batch_size=8))
+    await pipeline.start(lambda: engine)
+    try:
+        hops = []
+        for _ in range(4):
+            pipeline.add_stream()
+            hops.append(pipeline.stream_hop_s())
+        assert hops == sorted(hops) and hops[0] > 0
+        # One stream's round is one call on one window, over the planned utilization.
+        assert hops[0] == pytest.approx(
+            (0.05 + 0.1) / pipeline.config.capacity_utilization, rel=0.5
+        )
     finally:
         await pipeline.close()
 
@@ -201,6 +237,7 @@ async def test_a_decode_failure_reaches_only_the_affected_client(speech_dir: Pat
     engine = ScriptedEngine(fail_when=lambda w: float(np.max(np.abs(w.mel), initial=0.0)) > 0.9)
     pipeline = Pipeline(PipelineConfig(max_batch_size=8, batch_wait_ms=5.0))
     await pipeline.start(lambda: engine)
+    engine.batches.clear()  # the capacity calibration's calls
     try:
         drivers = {
             name: StreamDriver(Session(name, engine), pipeline, max_pending_messages=10_000)
@@ -244,3 +281,50 @@ async def test_a_client_that_does_not_read_overflows_its_outbox() -> None:
         assert driver.outbox.qsize() == 2  # bounded: nothing more was queued
     finally:
         await pipeline.close()
+
+
+# --------------------------------------------------------------------------- capacity
+
+
+async def test_start_seeds_the_capacity_model_with_timed_calls() -> None:
+    engine = ScriptedEngine(call_cost_s=0.05, window_cost_s=0.02)
+    pipeline = Pipeline(PipelineConfig(max_batch_size=8))
+    await pipeline.start(lambda: engine)
+    try:
+        typical = pipeline.capacity.typical_window_s
+        # Batches of one at two lengths and one of several, after the warm-up.
+        assert engine.warmups == 1
+        assert engine.batches == [[typical], [2 * typical], [typical] * 4]
+        fit = pipeline.capacity.fit
+        assert fit is not None
+        assert fit.batch_s(1, typical) == pytest.approx(0.07, abs=0.02)
+        assert fit.batch_s(4, 4 * typical) == pytest.approx(0.13, abs=0.02)
+        assert pipeline.metrics.batch_size.count == 0  # the seeds are not client traffic
+    finally:
+        await pipeline.close()
+
+
+async def test_without_warmup_the_estimate_waits_for_the_clients() -> None:
+    engine = ScriptedEngine()
+    pipeline = Pipeline()
+    await pipeline.start(lambda: engine, warmup=False)
+    try:
+        assert engine.batches == []
+        assert pipeline.capacity.fit is None
+        assert pipeline.capacity.streams(limit=7) == 7
+    finally:
+        await pipeline.close()
+
+
+async def test_decoded_batches_feed_the_capacity_model_and_failed_ones_do_not(
+    scripted: tuple[Pipeline, ScriptedEngine],
+) -> None:
+    pipeline, _ = scripted
+    capacity = pipeline.capacity
+    assert capacity.typical_window_s == capacity.default_window_s  # seeds do not count
+    for audio_s in (1.0, 3.0):
+        await asyncio.wait_for(pipeline.decode(make_job(audio_s, created_at=audio_s)), WAIT_S)
+    assert capacity.typical_window_s == 2.0
+    with pytest.raises(DecodeError):  # fail_when: audio_s == 1.5
+        await asyncio.wait_for(pipeline.decode(make_job(1.5, created_at=5.0)), WAIT_S)
+    assert capacity.typical_window_s == 2.0  # its window was not measured

@@ -1,0 +1,233 @@
+"""The capacity model on synthetic engine calls: the cost fit, the round, the stream count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from server.capacity import BatchCost, CapacityModel, CostFit, fit_cost, streams_within
+
+
+def calls(fit: CostFit, shapes: list[tuple[int, float]]) -> list[BatchCost]:
+    """Engine calls of ``(windows, seconds per window)`` costing exactly what ``fit`` says."""
+    return [BatchCost(n, n * s, fit.batch_s(n, n * s)) for n, s in shapes]
+
+
+SHAPES = [(1, 2.0), (1, 6.0), (2, 4.0), (3, 3.0), (4, 5.0), (8, 4.0)]
+
+
+# --------------------------------------------------------------------------- the fit
+
+
+def test_the_fit_recovers_the_cost_it_was_measured_from() -> None:
+    truth = CostFit(fixed_s=0.12, per_window_s=0.05, per_audio_s=0.02)
+    fit = fit_cost(calls(truth, SHAPES))
+    assert fit is not None
+    assert fit.fixed_s == pytest.approx(0.12)
+    assert fit.per_window_s == pytest.approx(0.05)
+    assert fit.per_audio_s == pytest.approx(0.02)
+
+
+def test_the_fit_averages_out_timing_noise() -> None:
+    truth = CostFit(fixed_s=0.3, per_window_s=0.1, per_audio_s=0.03)
+    rng = np.random.default_rng(7)
+    noisy = [
+        BatchCost(c.windows, c.audio_s, c.cost_s * float(rng.uniform(0.9, 1.1)))
+        for c in calls(truth, SHAPES * 20)
+    ]
+    fit = fit_cost(noisy)
+    assert fit is not None
+    for n in (1, 4, 8):
+        assert fit.batch_s(n, 4.0 * n) == pytest.approx(truth.batch_s(n, 4.0 * n), rel=0.05)
+
+
+def test_no_coefficient_is_negative() -> None:
+    # Unconstrained least squares would say -0.1 s + 0.15 s per window: a negative fixed cost.
+    observed = [BatchCost(1, 0.0, 0.05), BatchCost(2, 0.0, 0.2), BatchCost(3, 0.0, 0.35)]
+    fit = fit_cost(observed)
+    assert fit is not None
+    assert fit.fixed_s == 0 and fit.per_audio_s == 0
+    assert fit.per_window_s == pytest.approx((0.05 + 0.4 + 1.05) / 14)  # sum(n c) / sum(n^2)
+
+
+def test_calls_all_of_one_size_are_extrapolated_in_proportion() -> None:
+    # Fixed and per-window cost cannot be told apart: all of it is taken as per window.
+    observed = [BatchCost(1, 3.0, 0.4), BatchCost(1, 5.0, 0.5), BatchCost(1, 4.0, 0.45)]
+    fit = fit_cost(observed)
+    assert fit is not None
+    assert fit.fixed_s == 0
+    assert fit.batch_s(1, 4.0) == pytest.approx(0.45)
+    assert fit.batch_s(2, 8.0) == pytest.approx(0.9)
+
+
+def test_a_single_call_is_all_per_window() -> None:
+    fit = fit_cost([BatchCost(2, 8.0, 0.6)])
+    assert fit == CostFit(fixed_s=0.0, per_window_s=pytest.approx(0.3), per_audio_s=0.0)
+
+
+def test_nothing_measured_is_no_fit() -> None:
+    assert fit_cost([]) is None
+
+
+def test_a_call_without_windows_is_refused() -> None:
+    with pytest.raises(ValueError, match="windows"):
+        BatchCost(0, 0.0, 0.1)
+    with pytest.raises(ValueError, match="cost_s"):
+        BatchCost(1, 1.0, -0.1)
+
+
+# --------------------------------------------------------------------------- capacity math
+
+
+def test_a_round_is_full_batches_then_the_rest() -> None:
+    fit = CostFit(fixed_s=0.1, per_window_s=0.2, per_audio_s=0.01)
+    one = 0.1 + 0.2 + 0.01 * 4.0
+    four = 0.1 + 0.8 + 0.01 * 16.0
+    assert fit.round_s(1, 4.0, max_batch_size=4) == pytest.approx(one)
+    assert fit.round_s(4, 4.0, max_batch_size=4) == pytest.approx(four)
+    assert fit.round_s(9, 4.0, max_batch_size=4) == pytest.approx(2 * four + one)
+    assert fit.round_s(0, 4.0, max_batch_size=4) == 0
+
+
+@pytest.mark.parametrize(
+    ("budget_s", "max_batch_size", "expected"),
+    [
+        pytest.param(0.6, 8, 2, id="0.5 s for two fits, 0.7 s for three does not"),
+        pytest.param(0.75, 8, 3, id="three"),
+        pytest.param(0.6, 1, 1, id="no batching: 0.3 s per stream"),
+        pytest.param(0.25, 8, 0, id="not even one"),
+        pytest.param(100.0, 8, 32, id="capped at the limit"),
+    ],
+)
+def test_streams_within_the_budget(budget_s: float, max_batch_size: int, expected: int) -> None:
+    fit = CostFit(fixed_s=0.1, per_window_s=0.2, per_audio_s=0.0)
+    assert streams_within(fit, budget_s, 4.0, max_batch_size, limit=32) == expected
+
+
+def test_the_window_length_counts() -> None:
+    fit = CostFit(fixed_s=0.0, per_window_s=0.0, per_audio_s=0.05)  # 50 ms per audio second
+    assert streams_within(fit, 0.8, 4.0, 8, limit=32) == 4
+    assert streams_within(fit, 0.8, 8.0, 8, limit=32) == 2
+
+
+def test_a_free_engine_carries_the_limit() -> None:
+    assert streams_within(CostFit(0.0, 0.0, 0.0), 0.8, 4.0, 8, limit=5) == 5
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def model(**overrides: float) -> CapacityModel:
+    options: dict[str, float] = {"hop_s": 1.0, "utilization": 0.8, "max_batch_size": 8}
+    options.update(overrides)
+    return CapacityModel(
+        hop_s=options["hop_s"],
+        utilization=options["utilization"],
+        max_batch_size=int(options["max_batch_size"]),
+    )
+
+
+def test_before_any_measurement_the_limit_stands() -> None:
+    m = model()
+    assert m.fit is None
+    assert m.streams(limit=32) == 32
+    assert m.typical_window_s == m.default_window_s
+
+
+def test_measured_calls_give_the_stream_count() -> None:
+    m = model()  # a round may take 0.8 s
+    for _ in range(3):
+        m.observe([4.0], 0.3)  # 0.1 s + 0.2 s per window
+        m.observe([4.0, 4.0], 0.5)
+    assert m.streams(limit=32) == 3  # 0.7 s; four would take 0.9 s
+    assert m.streams(limit=2) == 2
+
+
+def test_a_machine_too_slow_for_one_stream_still_serves_one() -> None:
+    m = model()
+    m.observe([4.0], 2.0)
+    assert m.streams(limit=32) == 1
+
+
+def test_the_typical_window_is_the_median_of_the_clients_windows() -> None:
+    m = model()
+    m.seed([9.0], 0.3)  # synthetic windows do not count
+    assert m.typical_window_s == m.default_window_s
+    m.observe([2.0, 3.0], 0.3)
+    m.observe([10.0], 0.3)
+    assert m.typical_window_s == 3.0
+
+
+def test_seeds_give_an_estimate_before_the_first_client() -> None:
+    m = model()
+    m.seed([4.0], 0.3)
+    m.seed([8.0], 0.3)
+    m.seed([4.0] * 4, 0.9)
+    # 0.1 s + 0.2 s per window, nothing per audio second: three take 0.7 s, four 0.9 s.
+    assert m.fit == CostFit(pytest.approx(0.1), pytest.approx(0.2), pytest.approx(0.0))
+    assert m.streams(limit=32) == 3
+
+
+def test_seeds_take_the_level_of_the_clients_calls() -> None:
+    m = model()
+    seed = CostFit(fixed_s=0.1, per_window_s=0.2, per_audio_s=0.0)
+    for c in calls(seed, [(1, 4.0), (1, 8.0), (4, 4.0)]):
+        m.seed([c.audio_s / c.windows] * c.windows, c.cost_s)
+    # Speech costs half as much again as the noise of the seeds, at batch size 1:
+    m.observe([4.0], 1.5 * seed.batch_s(1, 4.0))
+    fit = m.fit
+    assert fit is not None
+    # ... so the batch of four, not yet seen in service, is taken at 1.5 times its seed.
+    assert fit.batch_s(4, 16.0) == pytest.approx(1.5 * seed.batch_s(4, 16.0), rel=0.01)
+    # Batches of four measured in service outweigh their seed.
+    for _ in range(32):
+        m.observe([4.0] * 4, 1.1)
+    fit = m.fit
+    assert fit is not None
+    assert fit.batch_s(4, 16.0) == pytest.approx(1.1, rel=0.02)
+
+
+def test_seeds_keep_the_fit_determined_while_the_clients_calls_cannot() -> None:
+    m = model(hop_s=0.6, utilization=1.0)
+    for shape, cost_s in (([4.0], 0.3), ([8.0], 0.3), ([4.0, 4.0], 0.5)):
+        m.seed(shape, cost_s)  # 0.1 s + 0.2 s per window
+    # One client call: alone it could as well mean 60 ms per window and 48 ms per second.
+    m.observe([5.05], 0.3)
+    assert m.fit == CostFit(pytest.approx(0.1), pytest.approx(0.2), pytest.approx(0.0, abs=1e-9))
+    assert m.streams(limit=32) == 2
+
+
+def test_single_window_calls_do_not_push_out_what_batching_costs() -> None:
+    m = model()
+    m.observe([4.0] * 8, 1.0)
+    for _ in range(1000):
+        m.observe([4.0], 0.3)
+    fit = m.fit
+    assert fit is not None
+    assert fit.batch_s(8, 32.0) == pytest.approx(1.0, rel=0.01)
+    assert fit.batch_s(1, 4.0) == pytest.approx(0.3, rel=0.01)
+
+
+def test_recent_calls_replace_old_ones_of_the_same_size() -> None:
+    m = model()
+    for _ in range(100):
+        m.observe([4.0], 0.2)
+    for _ in range(100):
+        m.observe([4.0], 0.4)  # the machine got slower (another process, thermal limits)
+    fit = m.fit
+    assert fit is not None
+    assert fit.batch_s(1, 4.0) == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"hop_s": 0.0}, {"utilization": 0.0}, {"utilization": 1.5}, {"max_batch_size": 0}],
+)
+def test_bad_settings_are_refused(overrides: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        model(**overrides)
+
+
+def test_a_call_of_no_windows_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one window"):
+        model().observe([], 0.1)
