@@ -51,6 +51,9 @@ class EngineConfig:
     # of encoder time, where 30 s costs 2.7 s.
     fallback_context_s: float = 10.0
     blas_threads: int = 1  # OpenBLAS threads on CPU; more spin and starve the other stages
+    # The encoder's GELU and softmax from ``cpu_kernels`` on the CPU backend in float32
+    # (2x faster encoder at 10 s); the library's own functions elsewhere.
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.quantize_bits not in (None, 4, 8):
@@ -107,6 +110,9 @@ class Engine:
         self.config = config
         self.dims = loaded.dims
         model = loaded.model
+        model.encoder.use_cpu_kernels(
+            config.cpu_kernels and mx.default_device() == mx.cpu and loaded.dtype == "float32"
+        )
         if config.quantize_bits is not None:
             nn.quantize(model, group_size=config.quantize_group_size, bits=config.quantize_bits)
             mx.eval(model.parameters())

@@ -10,12 +10,18 @@ cross-attention keys and values that were projected once per encoder output.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import numpy.typing as npt
+
+from server.engine import cpu_kernels
+
+Activation = Callable[[mx.array], mx.array]
+Attention = Callable[[mx.array, mx.array, mx.array], mx.array]
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,18 @@ def attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> m
     return out.transpose(0, 2, 1, 3).reshape(b, t_q, d)
 
 
+def attention_unmasked(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+    """``attention`` without a mask, by the library's fused kernel."""
+    return attention(q, k, v, None)
+
+
+def attention_cpu(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+    """``attention`` without a mask, by ``cpu_kernels`` (twice as fast on the CPU backend)."""
+    b, t_q, d = q.shape
+    out = cpu_kernels.attention(split_heads(q, k.shape[1]), k, v, k.shape[3] ** -0.5)
+    return out.transpose(0, 2, 1, 3).reshape(b, t_q, d)
+
+
 def attention_weights(q: mx.array, k: mx.array, mask: mx.array | None) -> mx.array:
     """Softmax attention weights (batch, head, t_q, t_k) over head-major keys; used only for
     word alignment."""
@@ -110,16 +128,16 @@ class ResidualAttentionBlock(nn.Module):
         self.mlp2 = nn.Linear(n_mlp, n_state)
         self.mlp_ln = nn.LayerNorm(n_state)
 
-    def mlp(self, x: mx.array) -> mx.array:
-        return self.mlp2(nn.gelu(self.mlp1(self.mlp_ln(x))))
+    def mlp(self, x: mx.array, gelu: Activation = nn.gelu) -> mx.array:
+        return self.mlp2(gelu(self.mlp1(self.mlp_ln(x))))
 
-    def encode(self, x: mx.array) -> mx.array:
+    def encode(self, x: mx.array, gelu: Activation, attend: Attention) -> mx.array:
         """Encoder block: full self-attention, no cache."""
         h = self.attn_ln(x)
         a = self.attn
         k, v = split_heads(a.key(h), a.n_head), split_heads(a.value(h), a.n_head)
-        x = x + a.out(attention(a.query(h), k, v, None))
-        return x + self.mlp(x)
+        x = x + a.out(attend(a.query(h), k, v))
+        return x + self.mlp(x, gelu)
 
     def decode(
         self,
@@ -178,17 +196,29 @@ class AudioEncoder(nn.Module):
         self._positional_embedding = sinusoids(n_ctx, n_state)
         self.blocks = [ResidualAttentionBlock(n_state, n_head) for _ in range(n_layer)]
         self.ln_post = nn.LayerNorm(n_state)
+        self._gelu: Activation = nn.gelu
+        self._attend: Attention = attention_unmasked
+
+    def use_cpu_kernels(self, enabled: bool) -> None:
+        """GELU and attention from ``cpu_kernels`` (float32 on the CPU backend) instead of
+        the library's, whose ``erf`` and ``exp`` are scalar there."""
+        self._gelu = cpu_kernels.gelu if enabled else nn.gelu
+        self._attend = attention_cpu if enabled else attention_unmasked
+
+    @property
+    def cpu_kernels_enabled(self) -> bool:
+        return self._gelu is cpu_kernels.gelu
 
     def __call__(self, mel: mx.array) -> mx.array:
         """(batch, frames, n_mels) -> (batch, ceil(frames / 2), n_state); frames <= 3000."""
-        x = nn.gelu(self.conv1(mel))
-        x = nn.gelu(self.conv2(x))
+        x = self._gelu(self.conv1(mel))
+        x = self._gelu(self.conv2(x))
         n_ctx = x.shape[1]
         if n_ctx > self._positional_embedding.shape[0]:
             raise ValueError(f"audio context {n_ctx} exceeds {self._positional_embedding.shape[0]}")
         x = x + self._positional_embedding[:n_ctx].astype(x.dtype)
         for block in self.blocks:
-            x = block.encode(x)
+            x = block.encode(x, self._gelu, self._attend)
         return self.ln_post(x)
 
 
