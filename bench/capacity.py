@@ -52,7 +52,8 @@ from bench.replay import Replay, View, WhisperwireAdapter, replay
 from bench.server_process import ServerProcess, free_port, http_ok, port_open
 from server.audio import read_audio_file
 from server.config import SAMPLE_RATE_HZ
-from server.engine.engine import Engine, EngineConfig, Window
+from server.engine.engine import Engine, EngineConfig
+from server.engine_api import DecodeRequest, Window
 from tests.helpers import http_get, metric_value, wer
 
 logger = logging.getLogger("bench.capacity")
@@ -189,7 +190,7 @@ def measure_window_2s_ms(engine: Engine) -> float:
     audio = load_speech(E2E_CLIP)[: 2 * SAMPLE_RATE_HZ]
 
     def decode() -> None:
-        engine.decode_windows([Window(engine.features(audio), 2.0)])
+        engine.decode_windows([Window(engine.features(audio), DecodeRequest(2.0))])
 
     return round(statistics.median(timed(decode, repeats=5, budget_s=4.0)) * 1000.0, 1)
 

@@ -45,10 +45,9 @@ from bench.engine import (
 )
 from server.config import SAMPLE_RATE_HZ
 from server.engine.blas import check_blas, import_mlx
-from server.engine.decoder import DecodeRequest
-from server.engine.engine import GUARD_STOPS, Engine, EngineConfig, Window
+from server.engine.engine import Engine, EngineConfig
 from server.engine.lightning import module as lightning_module
-from server.engine.options import DecodeOptions
+from server.engine_api import DecodeOptions, DecodeRequest, Window
 from server.features import FRAMES_PER_SECOND, N_FRAMES
 
 logger = logging.getLogger("bench.decoder")
@@ -173,11 +172,11 @@ def bench_decoder(engine: Engine, stock: Stock, repeats: int, budget_s: float) -
         ("ours_full_context", full),
         ("ours_policy_context", engine.encode([engine.features(audio)])[0]),
     ):
-        request = DecodeRequest(feats, audio_s, options)
-        steps = engine.decoder.decode([request])[0].n_generated + 1
+        request = DecodeRequest(audio_s, options)
+        steps = engine.decoder.decode([request], [feats])[0].n_generated + 1
 
-        def decode(request: DecodeRequest = request) -> None:
-            engine.decoder.decode([request])
+        def decode(request: DecodeRequest = request, feats: Any = feats) -> None:
+            engine.decoder.decode([request], [feats])
 
         times = timed(decode, repeats=repeats, budget_s=budget_s)
         out[label] = {**summary([t / steps for t in times]), "steps": steps}
@@ -197,7 +196,7 @@ def bench_step(engine: Engine, repeats: int, budget_s: float) -> dict[str, Any]:
     feats = engine.encode([engine.features(audio)])[0]
     decoder = engine.decoder
     dec = engine.loaded.model.decoder
-    cross, cross_mask, _ = decoder._cross([DecodeRequest(feats, 2.0)])
+    cross, cross_mask, _ = decoder._cross([feats])
     caches = decoder._cache(1)
     offset = 10  # a few tokens into a decode
     token = mx.array([[engine.vocab.eot]], dtype=mx.int32)
@@ -224,12 +223,14 @@ def bench_step(engine: Engine, repeats: int, budget_s: float) -> dict[str, Any]:
     def served() -> None:
         decoder._forward(token, position, offset, caches, mask, cross, cross_mask)
 
+    projection_np = dec.projection_array()
+    assert projection_np is not None, "the step is measured in float32, unquantized"
     figures = {
         "step_as_served": served,
         "blocks_eager": lambda: mx.eval(blocks(x, mask, *arrays)),
         "blocks_mx_compile": lambda: mx.eval(compiled(x, mask, *arrays)),
         "projection_mlx_matmul": lambda: np.array(projection(x[:, -1, :])),
-        "projection_sgemv": lambda: vector_matrix(hidden_np, dec.projection_array()),
+        "projection_sgemv": lambda: vector_matrix(hidden_np, projection_np),
     }
     out: dict[str, Any] = {"offset": offset, "audio_positions": int(feats.shape[0])}
     for label, fn in figures.items():
@@ -257,7 +258,7 @@ def bench_windows(engine: Engine, stock: Stock, repeats: int, budget_s: float) -
                 window: Float32Array = window,
                 seconds: float = float(seconds),
             ) -> str:
-                w = Window(engine.features(window), seconds, options)
+                w = Window(engine.features(window), DecodeRequest(seconds, options))
                 return engine.decode_windows([w])[0].text
 
             row[label] = summary(timed(ours, repeats=repeats, budget_s=budget_s))
@@ -285,7 +286,9 @@ def bench_throughput(engine: Engine, stock: Stock, repeats: int, budget_s: float
         chosen = windows[:batch]
 
         def ours(chosen: list[Float32Array] = chosen) -> None:
-            engine.decode_windows([Window(engine.features(a), float(seconds)) for a in chosen])
+            engine.decode_windows(
+                [Window(engine.features(a), DecodeRequest(float(seconds))) for a in chosen]
+            )
 
         times = timed(ours, repeats=repeats, budget_s=budget_s)
         p50 = statistics.median(times)
@@ -331,7 +334,7 @@ def bench_tradeoff(engine: Engine) -> dict[str, Any]:
             mel = policy.features(audio)
             feats = policy.encode([mel])[0]
             encoded = time.perf_counter()
-            result = policy.decoder.decode([DecodeRequest(feats, audio_s, options)])[0]
+            result = policy.decoder.decode([DecodeRequest(audio_s, options)], [feats])[0]
             e2e_s.append(time.perf_counter() - started)
             enc_s.append(encoded - started)
             frames.append(int(mel.shape[0]))
@@ -345,14 +348,14 @@ def bench_tradeoff(engine: Engine) -> dict[str, Any]:
         fired = [
             i
             for i, (stop, n) in enumerate(zip(stops, frames, strict=True))
-            if stop in GUARD_STOPS and n < fallback_frames
+            if stop.looped and n < fallback_frames
         ]
         fallback = [fallback_texts[i] if i in fired else h for i, h in enumerate(hyps)]
         # The same guarded windows decoded again at 30 s instead (``fallback_context_s=30``).
         fired_full = [
             i
             for i, (stop, n) in enumerate(zip(stops, frames, strict=True))
-            if stop in GUARD_STOPS and n < N_FRAMES
+            if stop.looped and n < N_FRAMES
         ]
         full = [full_texts[i] if i in fired_full else h for i, h in enumerate(hyps)]
         rows[f"{min_context:g}"] = {
@@ -398,15 +401,15 @@ def bench_speculative(
             window = audio[: round(seconds * SAMPLE_RATE_HZ)]
             feats = engine.encode([engine.features(window)])[0]
             requests = {
-                "plain": DecodeRequest(feats, seconds, options),
-                "draft": DecodeRequest(feats, seconds, options, draft=draft),
+                "plain": DecodeRequest(seconds, options),
+                "draft": DecodeRequest(seconds, options, draft=draft),
             }
             best = {label: float("inf") for label in requests}
             results = {}
             for _ in range(repeats):
                 for label, request in requests.items():
                     started = time.perf_counter()
-                    results[label] = engine.decoder.decode([request])[0]
+                    results[label] = engine.decoder.decode([request], [feats])[0]
                     best[label] = min(best[label], time.perf_counter() - started)
             for label, result in results.items():
                 steps[label].append(result.n_steps)

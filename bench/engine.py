@@ -108,8 +108,8 @@ def write_results(name: str, data: dict[str, Any]) -> Path:
 
 def measure(repeats: int, budget_s: float) -> dict[str, Any]:
     """Encoder and decoder timings of tiny.en, float32, in this process's BLAS setup."""
-    from server.engine.engine import Engine, EngineConfig, Window
-    from server.engine.options import DecodeOptions
+    from server.engine.engine import Engine, EngineConfig
+    from server.engine_api import DecodeOptions, DecodeRequest, Window
     from server.features import FRAMES_PER_SECOND
 
     mx = import_mlx()
@@ -140,15 +140,18 @@ def measure(repeats: int, budget_s: float) -> dict[str, Any]:
     audio_s = clip.shape[0] / SAMPLE_RATE_HZ
     features = engine.encode([engine.features(clip)])
     options = DecodeOptions(word_timestamps=False)
-    from server.engine.decoder import DecodeRequest
 
-    request = DecodeRequest(features[0], audio_s, options)
-    steps = engine.decoder.decode([request])[0].n_generated + 1
-    times = timed(lambda: engine.decoder.decode([request]), repeats=repeats, budget_s=budget_s)
+    request = DecodeRequest(audio_s, options)
+    steps = engine.decoder.decode([request], features)[0].n_generated + 1
+    times = timed(
+        lambda: engine.decoder.decode([request], features), repeats=repeats, budget_s=budget_s
+    )
     per_token = summary([t / steps for t in times])
     per_token["tokens"] = steps
     logger.info("decoder: %s", per_token)
-    text = engine.decode_windows([Window(engine.features(clip), audio_s, options)])[0].text
+    text = engine.decode_windows([Window(engine.features(clip), DecodeRequest(audio_s, options))])[
+        0
+    ].text
     return {
         "openblas": blas.library,
         "gflops": round(blas.gflops or 0.0, 1),

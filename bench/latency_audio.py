@@ -20,9 +20,9 @@ from bench.engine import speech_dir
 from bench.latency_metrics import RefWord, join_word_pieces
 from server.audio import read_audio_file
 from server.config import SAMPLE_RATE_HZ
-from server.engine.engine import Engine, Window
+from server.engine.engine import Engine
 from server.engine.offline import PROMPT_TOKENS, transcribe_audio
-from server.engine.options import DecodeOptions
+from server.engine_api import DecodeOptions, DecodeRequest, Window
 from server.features import N_FRAMES, N_SAMPLES
 from tests.helpers import ManifestRow, read_manifest
 
@@ -75,7 +75,10 @@ def align_recording(engine: Engine, audio: Float32Array) -> Aligned:
             break
         mel = engine.features(chunk, N_FRAMES)
         window = Window(
-            mel, chunk.shape[0] / SAMPLE_RATE_HZ, options, prompt=tuple(context[-PROMPT_TOKENS:])
+            mel,
+            DecodeRequest(
+                chunk.shape[0] / SAMPLE_RATE_HZ, options, prompt=tuple(context[-PROMPT_TOKENS:])
+            ),
         )
         result = engine.decode_windows([window])[0]
         offset_s = seek / SAMPLE_RATE_HZ

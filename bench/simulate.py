@@ -16,7 +16,8 @@ import numpy.typing as npt
 
 from server.audio import pcm_s16le_bytes
 from server.config import SAMPLE_RATE_HZ, StreamingConfig, VadConfig
-from server.engine.engine import Engine, Window
+from server.engine.engine import Engine
+from server.engine_api import Window
 from server.messages import FinalMessage, PartialMessage, ServerMessage, SpeechStartedMessage
 from server.session import DecodeJob, Session
 
@@ -127,7 +128,7 @@ def simulate(
             continue
         started = time.perf_counter()
         mel = engine.features(job.audio)
-        window = Window(mel, job.audio_s, job.options, job.prompt, job.prefix, job.draft)
+        window = Window(mel, job.request)
         decoded = engine.decode_windows([window])[0]
         spent = time.perf_counter() - started
         if decode_cost_s is not None:

@@ -50,11 +50,12 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from .config import AudioFormat, PipelineConfig, ServerConfig, StreamingConfig, VadConfig
+from .engine_api import SpeechEngine
 from .errors import ProtocolError, StreamError
 from .messages import MAX_TEXT_MESSAGE_BYTES, ErrorMessage, ReadyMessage
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
-from .pipeline import DriverOutcome, Pipeline, SpeechEngine, StreamDriver
+from .pipeline import DriverOutcome, Pipeline, StreamDriver
 from .session import Session
 
 logger = logging.getLogger("server.app")

@@ -26,6 +26,7 @@ class Word:
     start_s: float
     end_s: float
     probability: float = 1.0
+    tokens: tuple[int, ...] = ()  # its decoder tokens: a committed word is forced as these
 
 
 def normalize_word(text: str) -> str:

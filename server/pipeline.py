@@ -38,15 +38,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from .capacity import CapacityModel
 from .config import SAMPLE_RATE_HZ, PipelineConfig
-from .engine.decoder import DecodeResult
-from .engine.engine import Window
+from .engine_api import DecodeRequest, DecodeResult, SpeechEngine, Window
 from .errors import DecodeError
 from .messages import EndMessage, ErrorMessage, ServerMessage
 from .metrics import Metrics
@@ -56,41 +55,6 @@ logger = logging.getLogger("server.pipeline")
 
 Float32Array = npt.NDArray[np.float32]
 T = TypeVar("T")
-
-
-# --------------------------------------------------------------------------- the engine seam
-
-
-class ModelShape(Protocol):
-    """What the server needs to know about the model's dimensions."""
-
-    @property
-    def is_multilingual(self) -> bool: ...
-
-
-class SpeechEngine(Protocol):
-    """The engine as the pipeline uses it; ``server.engine.engine.Engine`` is the real one.
-
-    ``features`` must be safe to call from several threads at once (it runs in the feature
-    pool); everything else is called only from the decode worker thread, except ``name``,
-    ``dims`` and ``encode_text`` (the session's tokenizer), which must not touch MLX.
-    """
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def dims(self) -> ModelShape: ...
-
-    def encode_text(self, text: str) -> tuple[int, ...]: ...
-
-    def features(self, audio: Float32Array) -> Float32Array: ...
-
-    def decode_windows(self, windows: list[Window]) -> list[DecodeResult]: ...
-
-    def warmup(self) -> float: ...
-
-    def release_memory(self) -> None: ...
 
 
 # --------------------------------------------------------------------------- decode worker
@@ -353,7 +317,7 @@ class Pipeline:
         engine = self.engine
         loop = asyncio.get_running_loop()
         mel = await loop.run_in_executor(self._features_pool, engine.features, job.audio)
-        return Window(mel, job.audio_s, job.options, job.prompt, job.prefix, job.draft)
+        return Window(mel, job.request)
 
     async def enqueue(self, job: DecodeJob, window: Window) -> asyncio.Future[DecodeResult]:
         """Stage 3: queue a window for the decode worker; waits while the queue is full.
@@ -439,7 +403,7 @@ class Pipeline:
                 run = _BatchRun([exc] * len(batch), 0.0, whole=False)
             self._in_flight = []
             worker_free_at = loop.time()
-            audio_s = [w.audio_s for w in windows]
+            audio_s = [w.request.audio_s for w in windows]
             self.metrics.observe_batch(len(batch), run.elapsed_s, sum(audio_s))
             if run.whole:
                 # A failed batch's time (the failure, then each window alone) is not what a
@@ -487,7 +451,7 @@ def _calibration_run(engine: SpeechEngine, windows: int, audio_s: float) -> _Bat
     batch = []
     for _ in range(windows):
         noise = rng.standard_normal(round(audio_s * SAMPLE_RATE_HZ)) * _CALIBRATION_NOISE_LEVEL
-        batch.append(Window(engine.features(noise.astype(np.float32)), audio_s))
+        batch.append(Window(engine.features(noise.astype(np.float32)), DecodeRequest(audio_s)))
     return _decode_batch(engine, batch)
 
 

@@ -25,7 +25,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -33,7 +33,7 @@ import numpy.typing as npt
 from .audio import PcmDecoder
 from .buffer import SampleBuffer
 from .config import SAMPLE_RATE_HZ, AudioFormat, StreamingConfig, VadConfig
-from .engine.options import DecodeOptions
+from .engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
 from .errors import ProtocolError
 from .hypothesis import Word, normalize_word
 from .messages import (
@@ -53,9 +53,6 @@ from .messages import (
 )
 from .policy import CommitPolicy
 from .vad import SpeechEnded, SpeechStarted, VadSegmenter
-
-if TYPE_CHECKING:
-    from .engine.decoder import DecodeResult
 
 logger = logging.getLogger("server.session")
 
@@ -77,22 +74,20 @@ class TextCodec(Protocol):
 
 @dataclass(frozen=True)
 class DecodeJob:
-    """One window for the decode stage. ``audio`` is 16 kHz mono starting at ``start_s``."""
+    """One window for the decode stage: ``audio`` (16 kHz mono, starting at ``start_s`` of
+    the stream) and the request the decoder gets for it."""
 
     session_id: str
     job_id: int
     audio: Float32Array
     start_s: float
-    options: DecodeOptions
-    prompt: tuple[int, ...]
-    prefix: tuple[int, ...]
+    request: DecodeRequest
     closing: bool  # the last decode of this window: everything it returns is committed
-    draft: tuple[int, ...] = ()  # the window's previous decoder output: a guess that saves steps
     created_at: float = field(default_factory=time.monotonic)
 
     @property
     def audio_s(self) -> float:
-        return float(self.audio.shape[0] / SAMPLE_RATE_HZ)
+        return self.request.audio_s
 
 
 @dataclass
@@ -328,18 +323,22 @@ class Session:
             self._finish_segment_if_closed(seg, decoded=True)
             self._maybe_done()
             return self.next_job()
+        audio = self._buffer.slice(seg.window_start, end)
         job = DecodeJob(
             session_id=self.session_id,
             job_id=self._next_job_id,
-            audio=self._buffer.slice(seg.window_start, end),
+            audio=audio,
             start_s=seg.window_start / SAMPLE_RATE_HZ,
-            options=DecodeOptions(language=self._language, task=self.streaming.task),
-            prompt=tuple(self._prompt[-self.streaming.prompt_max_tokens :])
-            if self._prompt_ok
-            else (),
-            prefix=tuple(seg.committed_tokens),
+            request=DecodeRequest(
+                audio_s=audio.shape[0] / SAMPLE_RATE_HZ,
+                options=DecodeOptions(language=self._language, task=self.streaming.task),
+                prompt=tuple(self._prompt[-self.streaming.prompt_max_tokens :])
+                if self._prompt_ok
+                else (),
+                prefix=tuple(seg.committed_tokens),
+                draft=seg.draft,
+            ),
             closing=closing,
-            draft=seg.draft,
         )
         self._next_job_id += 1
         seg.decoded_to = end
@@ -356,7 +355,7 @@ class Session:
         seg.heard_to = max(seg.heard_to, round(job.start_s * SAMPLE_RATE_HZ) + job.audio.shape[0])
         if self._language is None and result.language:
             self._language = result.language
-        self._prompt_ok = result.stop_reason not in ("repetition", "compression")
+        self._prompt_ok = result.stop_reason not in (StopReason.REPETITION, StopReason.COMPRESSION)
         seg.draft = result.sequence
         tail = self._tail_words(job, result)
         committed = seg.policy.update(
@@ -366,7 +365,7 @@ class Session:
             closing=job.closing,
         )
         seg.tentative = seg.policy.tentative
-        self._commit(seg, committed, result, job)
+        self._commit(seg, committed)
         self._emit_partial(seg)
         if job.closing:
             if not self._cut_before_unheard_tail(seg):
@@ -390,7 +389,7 @@ class Session:
         if seg.failures >= MAX_DECODE_FAILURES:
             # Keep what was shown; the audio that could not be decoded is reported, not retried
             # forever.
-            self._commit(seg, seg.policy.finalize(), None, None)
+            self._commit(seg, seg.policy.finalize())
             if seg.end is None:
                 self._close_open_segment(seg.window_start + job.audio.shape[0], reopen=True)
             self._finish_segment_if_closed(seg, decoded=False)
@@ -403,18 +402,18 @@ class Session:
         if not result.is_speech:
             return []
         words = list(result.words)
-        forced = len(job.prefix)
+        forced = len(job.request.prefix)
         count = 0
         k = 0
         while k < len(words) and count < forced:
             count += len(words[k].tokens)
             k += 1
         tail = [
-            Word(w.word, job.start_s + w.start_s, job.start_s + w.end_s, w.probability)
+            Word(w.word, job.start_s + w.start_s, job.start_s + w.end_s, w.probability, w.tokens)
             for w in words[k:]
             if w.word.strip()
         ]
-        if not job.prefix and self._segments:
+        if not job.request.prefix and self._segments:
             tail = self._drop_repeat_of_cut(self._segments[0], tail)
         return tail
 
@@ -432,20 +431,12 @@ class Session:
                 return tail[n:]
         return tail
 
-    def _commit(
-        self, seg: _Segment, words: list[Word], result: DecodeResult | None, job: DecodeJob | None
-    ) -> None:
+    def _commit(self, seg: _Segment, words: list[Word]) -> None:
         """Record committed words on the window and send them as a final."""
         if not words:
             return
-        known: dict[tuple[str, float], tuple[int, ...]] = {}
-        if result is not None and job is not None:
-            known = {(w.word, round(job.start_s + w.start_s, 3)): w.tokens for w in result.words}
         for w in words:
-            toks = known.get((w.text, round(w.start_s, 3)))
-            seg.committed_tokens.extend(
-                toks if toks is not None else self.codec.encode_text(w.text)
-            )
+            seg.committed_tokens.extend(w.tokens)
         seg.committed.extend(words)
         text = "".join(w.text for w in words).strip()
         if not text:
@@ -547,7 +538,7 @@ class Session:
         and a cut there would skip it. Without a cut the next job is the window's first
         ``max_window_s``; the cut follows once that was decoded."""
         if not seg.committed and seg.tentative:
-            self._commit(seg, seg.policy.finalize(), None, None)
+            self._commit(seg, seg.policy.finalize())
         heard = min(seg.heard_to, limit)
         at = round(seg.committed[-1].end_s * SAMPLE_RATE_HZ) if seg.committed else heard
         if at <= seg.window_start:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import jiwer
@@ -26,12 +26,8 @@ from websockets.exceptions import ConnectionClosed
 from whisper_normalizer.english import EnglishTextNormalizer
 
 from server.config import SAMPLE_RATE_HZ
+from server.engine_api import DecodeResult, StopReason, Window, WordTiming
 from server.errors import DecodeError
-
-if TYPE_CHECKING:
-    # Only for annotations: importing the engine loads MLX, which most tests do not need.
-    from server.engine.decoder import DecodeResult
-    from server.engine.engine import Window
 
 REPO = Path(__file__).resolve().parents[1]
 SPEECH_ENV = "WHISPERWIRE_SPEECH_DIR"
@@ -179,7 +175,7 @@ class ScriptedEngine:
         self.releases += 1
 
     def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
-        self.batches.append([w.audio_s for w in windows])
+        self.batches.append([w.request.audio_s for w in windows])
         self.entered.set()
         try:
             self.release.wait()
@@ -193,12 +189,9 @@ class ScriptedEngine:
             self.calls_finished += 1
 
     def _result(self, window: Window) -> DecodeResult:
-        from server.engine.decoder import DecodeResult
-        from server.engine.words import WordTiming
-
         words = tuple(
             WordTiming(f" w{k}", (1000 + k,), k * self.WORD_S, k * self.WORD_S + 0.4, 0.9)
-            for k in range(int(window.audio_s / self.WORD_S))
+            for k in range(int(window.request.audio_s / self.WORD_S))
         )
         return DecodeResult(
             tokens=tuple(t for w in words for t in w.tokens),
@@ -209,7 +202,7 @@ class ScriptedEngine:
             avg_logprob=-0.1,
             no_speech_prob=0.0,
             compression_ratio=1.0,
-            stop_reason="eot",
+            stop_reason=StopReason.EOT,
             n_generated=len(words),
         )
 

@@ -31,9 +31,9 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from server.app import WhisperwireServer
 from server.audio import pcm_s16le_bytes
 from server.config import SAMPLE_RATE_HZ, PipelineConfig, ServerConfig, StreamingConfig
+from server.engine_api import DecodeResult, SpeechEngine, Window
 from server.errors import ModelNotFoundError, StreamError
 from server.messages import MAX_TEXT_MESSAGE_BYTES
-from server.pipeline import SpeechEngine
 from server.session import MAX_DECODE_FAILURES, Session
 from tests.helpers import (
     Float32Array,
@@ -50,8 +50,7 @@ from tests.helpers import (
 )
 
 if TYPE_CHECKING:
-    from server.engine.decoder import DecodeResult
-    from server.engine.engine import Engine, Window
+    from server.engine.engine import Engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

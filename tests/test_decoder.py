@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import zlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +15,14 @@ import pytest
 
 from server.config import SAMPLE_RATE_HZ
 from server.engine.decoder import (
-    DecodeRequest,
-    DecodeResult,
     compression_ratio,
     draft_continuation,
     repeat_start,
     repeated_tail,
 )
-from server.engine.engine import Engine, Window, pad_to_full
-from server.engine.options import DecodeOptions
+from server.engine.engine import Engine, pad_to_full
 from server.engine.words import align_words, dtw, median_filter
+from server.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason, Window
 from tests.helpers import Float32Array, ManifestRow, load_clip, normalize, wer
 
 LOOP_CLIP = "pocketsphinx_testdata/goforward.wav"  # "go forward ten meters", 2.8 s
@@ -225,16 +223,14 @@ def _one_second_context(engine: Engine, speech_dir: Path) -> tuple[np.ndarray, f
 
 def _decode_without_fallback(engine: Engine, window: Window) -> DecodeResult:
     """The decoder alone: ``Engine.decode_windows`` would retry a guarded row at full context."""
-    features = engine.encode([window.mel])[0]
-    request = DecodeRequest(features, window.audio_s, window.options, window.prompt, window.prefix)
-    return engine.decoder.decode([request])[0]
+    return engine.decoder.decode([window.request], engine.encode([window.mel]))[0]
 
 
 def test_a_looping_decode_is_cut_by_the_repetition_guard(engine: Engine, speech_dir: Path) -> None:
     mel, audio_s = _one_second_context(engine, speech_dir)
     options = DecodeOptions(word_timestamps=False)
-    result = _decode_without_fallback(engine, Window(mel, audio_s, options))
-    assert result.stop_reason == "repetition"
+    result = _decode_without_fallback(engine, Window(mel, DecodeRequest(audio_s, options)))
+    assert result.stop_reason == StopReason.REPETITION
     assert result.text.strip()
     assert repeated_tail(list(result.tokens), 12, 2) is None  # not even two copies left
     assert len(result.tokens) < result.n_generated  # the repeats were dropped
@@ -251,8 +247,8 @@ def test_without_the_ngram_check_the_compression_guard_drops_the_loop(
         repetition_max_ngram=0,  # no n-gram check
         max_tokens_per_audio_s=30,  # room for the loop to show
     )
-    result = _decode_without_fallback(engine, Window(mel, audio_s, options))
-    assert result.stop_reason == "compression"
+    result = _decode_without_fallback(engine, Window(mel, DecodeRequest(audio_s, options)))
+    assert result.stop_reason == StopReason.COMPRESSION
     assert result.compression_ratio > options.compression_ratio_threshold
     assert result.text == "" and result.tokens == ()
     assert not result.is_speech
@@ -265,9 +261,9 @@ def test_a_repeated_forced_prefix_is_cut_not_continued(engine: Engine, speech_di
     prefix = engine.encode_text(" Go forward. Go forward. Go forward.")
     options = DecodeOptions(word_timestamps=False)
     result = _decode_without_fallback(
-        engine, Window(engine.features(audio), audio_s, options, prefix=prefix)
+        engine, Window(engine.features(audio), DecodeRequest(audio_s, options, prefix=prefix))
     )
-    assert result.stop_reason in ("repetition", "compression")
+    assert result.stop_reason in (StopReason.REPETITION, StopReason.COMPRESSION)
     assert repeated_tail(list(result.tokens), 12, 3) is None
     assert result.n_generated < 8 + options.max_tokens_per_audio_s * audio_s
 
@@ -277,10 +273,10 @@ def test_the_engine_redecodes_a_guarded_window_with_a_longer_context(
 ) -> None:
     mel, audio_s = _one_second_context(engine, speech_dir)
     options = DecodeOptions(word_timestamps=False)
-    looped = _decode_without_fallback(engine, Window(mel, audio_s, options))
-    assert looped.stop_reason == "repetition"
-    result = engine.decode_windows([Window(mel, audio_s, options)])[0]
-    assert result.stop_reason not in ("repetition", "compression")
+    looped = _decode_without_fallback(engine, Window(mel, DecodeRequest(audio_s, options)))
+    assert looped.stop_reason == StopReason.REPETITION
+    result = engine.decode_windows([Window(mel, DecodeRequest(audio_s, options))])[0]
+    assert result.stop_reason not in (StopReason.REPETITION, StopReason.COMPRESSION)
     assert result.text.strip() and result.tokens != looped.tokens
     assert repeated_tail(list(result.tokens), 12, 2) is None
 
@@ -304,8 +300,10 @@ def test_an_ending_read_twice_is_trimmed_without_a_full_context_redecode(
     audio = load_clip(speech_dir / REREAD_CLIP)
     audio_s = audio.shape[0] / SAMPLE_RATE_HZ
     options = DecodeOptions(word_timestamps=False)
-    result = _decode_without_fallback(engine, Window(engine.features(audio), audio_s, options))
-    assert result.stop_reason == "repeat_at_end"
+    result = _decode_without_fallback(
+        engine, Window(engine.features(audio), DecodeRequest(audio_s, options))
+    )
+    assert result.stop_reason == StopReason.REPEAT_AT_END
     assert result.is_speech
     assert normalize(result.text).count("similar process") == 1
     assert wer(reference, result.text) < 0.15
@@ -317,11 +315,11 @@ def test_a_transcript_started_over_is_whole_and_not_decoded_again(
     # Without timestamps, 1 s of "go forward" in a 1 s context is read again from the start.
     mel, audio_s = _one_second_context(engine, speech_dir)
     options = DecodeOptions(timestamps=False, word_timestamps=False)
-    alone = _decode_without_fallback(engine, Window(mel, audio_s, options))
-    assert alone.stop_reason == "repeat_at_end"
+    alone = _decode_without_fallback(engine, Window(mel, DecodeRequest(audio_s, options)))
+    assert alone.stop_reason == StopReason.REPEAT_AT_END
     assert alone.text.strip() and len(alone.tokens) < alone.n_generated
     assert repeated_tail(list(alone.tokens), 12, 2) is None
-    served = engine.decode_windows([Window(mel, audio_s, options)])[0]
+    served = engine.decode_windows([Window(mel, DecodeRequest(audio_s, options))])[0]
     assert served.tokens == alone.tokens  # no fallback decode replaced it
 
 
@@ -334,11 +332,22 @@ STREAM_CLIPS = (
 )
 
 
-def _request(engine: Engine, audio: Float32Array, seconds: float, **kw: Any) -> DecodeRequest:
+@dataclass(frozen=True)
+class _Encoded:
+    """A request with its encoder output, decoded by the decoder alone (no fallback)."""
+
+    request: DecodeRequest
+    features: Any  # mx.array
+
+    def decode(self, engine: Engine, **changes: Any) -> DecodeResult:
+        return engine.decoder.decode([replace(self.request, **changes)], [self.features])[0]
+
+
+def _request(engine: Engine, audio: Float32Array, seconds: float, **kw: Any) -> _Encoded:
     """The first ``seconds`` of ``audio``, encoded with the engine's context policy."""
     clip = audio[: round(seconds * SAMPLE_RATE_HZ)]
     features = engine.encode([engine.features(clip)])[0]
-    return DecodeRequest(features, clip.shape[0] / SAMPLE_RATE_HZ, **kw)
+    return _Encoded(DecodeRequest(clip.shape[0] / SAMPLE_RATE_HZ, **kw), features)
 
 
 def _assert_same_decode(spec: DecodeResult, plain: DecodeResult) -> None:
@@ -374,12 +383,12 @@ def test_its_own_output_as_draft_decodes_the_same_in_few_steps(
 ) -> None:
     options = DecodeOptions(timestamps=timestamps)
     request = _request(engine, load_clip(speech_dir / clip), 4.0, options=options)
-    plain = engine.decoder.decode([request])[0]
+    plain = request.decode(engine)
     assert plain.n_steps > 0 and plain.sequence
-    spec = engine.decoder.decode([replace(request, draft=plain.sequence)])[0]
+    spec = request.decode(engine, draft=plain.sequence)
     _assert_same_decode(spec, plain)
     assert spec.n_steps < plain.n_steps
-    if plain.stop_reason == "eot":  # nothing was cut: the whole output was in the draft
+    if plain.stop_reason == StopReason.EOT:  # nothing was cut: the whole output was in the draft
         assert spec.n_steps == 0
 
 
@@ -394,8 +403,8 @@ def test_a_growing_window_drafted_by_the_previous_decode_decodes_the_same(
     plain_steps = spec_steps = 0
     for s in seconds:
         request = _request(engine, audio, s, options=DecodeOptions(word_timestamps=s > 5))
-        plain = engine.decoder.decode([request])[0]
-        spec = engine.decoder.decode([replace(request, draft=draft)])[0]
+        plain = request.decode(engine)
+        spec = request.decode(engine, draft=draft)
         _assert_same_decode(spec, plain)
         plain_steps += plain.n_steps
         spec_steps += spec.n_steps
@@ -405,8 +414,8 @@ def test_a_growing_window_drafted_by_the_previous_decode_decodes_the_same(
 
 def test_wrong_drafts_decode_the_same(engine: Engine, speech_dir: Path) -> None:
     request = _request(engine, load_clip(speech_dir / STREAM_CLIPS[0]), 3.0)
-    plain = engine.decoder.decode([request])[0]
-    other = engine.decoder.decode([_request(engine, load_clip(speech_dir / LOOP_CLIP), 2.8)])[0]
+    plain = request.decode(engine)
+    other = _request(engine, load_clip(speech_dir / LOOP_CLIP), 2.8).decode(engine)
     assert other.tokens != plain.tokens
     rng = np.random.default_rng(3)
     noise = tuple(int(t) for t in rng.integers(0, engine.dims.n_vocab, 40))
@@ -421,21 +430,21 @@ def test_wrong_drafts_decode_the_same(engine: Engine, speech_dir: Path) -> None:
         "far too long": plain.sequence * 40,
     }
     for name, draft in drafts.items():
-        spec = engine.decoder.decode([replace(request, draft=draft)])[0]
+        spec = request.decode(engine, draft=draft)
         assert (spec.sequence, spec.stop_reason) == (plain.sequence, plain.stop_reason), name
         _assert_same_decode(spec, plain)
 
 
 def test_a_draft_aligns_with_the_forced_prefix(engine: Engine, speech_dir: Path) -> None:
     audio = load_clip(speech_dir / STREAM_CLIPS[0])
-    earlier = engine.decoder.decode([_request(engine, audio, 4.4)])[0]
+    earlier = _request(engine, audio, 4.4).decode(engine)
     committed = earlier.tokens[:4]  # " And so my fellow"
     request = _request(engine, audio, 5.0, prefix=committed)
-    plain = engine.decoder.decode([request])[0]
+    plain = request.decode(engine)
     assert plain.tokens[:4] == committed
     assert plain.sequence[0] == engine.vocab.timestamp_begin  # the forced part, as fed
     drafts = {"earlier": earlier.sequence, "own": plain.sequence, "short": committed[:2]}
-    specs = {k: engine.decoder.decode([replace(request, draft=d)])[0] for k, d in drafts.items()}
+    specs = {k: request.decode(engine, draft=d) for k, d in drafts.items()}
     for spec in specs.values():
         _assert_same_decode(spec, plain)
     assert specs["own"].n_steps < plain.n_steps
@@ -447,17 +456,20 @@ def test_batched_rows_with_and_without_drafts_decode_as_without(
     audio = [load_clip(speech_dir / c) for c in STREAM_CLIPS]
     prompt = engine.encode_text(" We spoke about printing and old books.")
     windows = [
-        Window(engine.features(a[: round(s * SAMPLE_RATE_HZ)]), s, prompt=p)
+        Window(engine.features(a[: round(s * SAMPLE_RATE_HZ)]), DecodeRequest(s, prompt=p))
         for a, s, p in zip(audio, (5.5, 3.0, 4.2), ((), prompt, prompt[:3]), strict=True)
     ]
     assert len({w.mel.shape[0] for w in windows}) > 1  # rows with different audio contexts
     plain = engine.decode_windows(windows)
     # Row 0's draft is the output of a shorter window of its audio, row 1 has none, row 2's
     # starts like row 1's output.
-    shorter = engine.decoder.decode([_request(engine, audio[0], 4.3)])[0]
+    shorter = _request(engine, audio[0], 4.3).decode(engine)
     drafts = [shorter.sequence, (), plain[1].sequence[:5] + plain[2].sequence]
     spec = engine.decode_windows(
-        [replace(w, draft=d) for w, d in zip(windows, drafts, strict=True)]
+        [
+            replace(w, request=replace(w.request, draft=d))
+            for w, d in zip(windows, drafts, strict=True)
+        ]
     )
     for one, many in zip(plain, spec, strict=True):
         _assert_same_decode(many, one)
@@ -465,7 +477,10 @@ def test_batched_rows_with_and_without_drafts_decode_as_without(
     singles = [engine.decode_windows([w])[0] for w in windows]
     assert [r.tokens for r in spec] == [r.tokens for r in singles]
     # The rows of one batch in swapped order, each with its own output as the draft.
-    swapped = [replace(w, draft=r.sequence) for w, r in zip(windows, plain, strict=True)][::-1]
+    swapped = [
+        replace(w, request=replace(w.request, draft=r.sequence))
+        for w, r in zip(windows, plain, strict=True)
+    ][::-1]
     for one, many in zip(plain[::-1], engine.decode_windows(swapped), strict=True):
         _assert_same_decode(many, one)
 
@@ -483,11 +498,10 @@ def test_a_draft_never_pushes_the_decode_past_the_text_context(
         max_tokens_per_audio_s=400,
     )
     prompt = engine.encode_text(" Go forward, go forward," * 40)[:200]
-    features = engine.encode([mel])[0]
-    request = DecodeRequest(features, audio_s, options, prompt=prompt)
-    plain = engine.decoder.decode([request])[0]
+    request = _Encoded(DecodeRequest(audio_s, options, prompt=prompt), engine.encode([mel])[0])
+    plain = request.decode(engine)
     start_tokens = 3  # <|startofprev|>, <|startoftranscript|>, <|notimestamps|>
     assert plain.n_generated == engine.dims.n_text_ctx - len(prompt) - start_tokens - 1
-    spec = engine.decoder.decode([replace(request, draft=plain.sequence)])[0]
+    spec = request.decode(engine, draft=plain.sequence)
     _assert_same_decode(spec, plain)
     assert spec.n_steps == plain.n_steps - 2

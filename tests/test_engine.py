@@ -18,11 +18,10 @@ import pytest
 
 from server.config import SAMPLE_RATE_HZ
 from server.engine.blas import import_mlx
-from server.engine.decoder import DecodeResult
-from server.engine.engine import Engine, Window
+from server.engine.engine import Engine
 from server.engine.lightning import module as lightning_module
 from server.engine.offline import transcribe_audio
-from server.engine.options import DecodeOptions
+from server.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason, Window
 from server.features import N_FRAMES
 from tests.helpers import Float32Array, ManifestRow, load_clip, normalize, wer
 
@@ -64,7 +63,9 @@ def wer_clips(manifest: list[ManifestRow]) -> list[ManifestRow]:
 
 
 def window(engine: Engine, audio: Float32Array, frames: int | None = None, **kw: Any) -> Window:
-    return Window(engine.features(audio, frames), audio.shape[0] / SAMPLE_RATE_HZ, **kw)
+    return Window(
+        engine.features(audio, frames), DecodeRequest(audio.shape[0] / SAMPLE_RATE_HZ, **kw)
+    )
 
 
 # --- accuracy ----------------------------------------------------------------------------------
@@ -113,9 +114,9 @@ def parity(engine: Engine, speech_dir: Path) -> dict[str, Parity]:
         mel = engine.features(audio, N_FRAMES)
         result = decoding.decode(ref, mx.array(mel), opts)
         audio_s = audio.shape[0] / SAMPLE_RATE_HZ
-        ours = engine.decode_windows([Window(mel, audio_s, DecodeOptions(word_timestamps=False))])[
-            0
-        ]
+        ours = engine.decode_windows(
+            [Window(mel, DecodeRequest(audio_s, DecodeOptions(word_timestamps=False)))]
+        )[0]
         out[clip] = Parity(mel, audio_s, [int(t) for t in result.tokens], ours)
     return out
 
@@ -127,7 +128,7 @@ def test_greedy_tokens_equal_lightning_reference(
     p = parity[clip]
     eot, tb = engine.vocab.eot, engine.vocab.timestamp_begin
     assert list(p.ours.tokens) == [t for t in p.reference if t < eot]
-    assert p.ours.stop_reason == "eot"
+    assert p.ours.stop_reason == StopReason.EOT
     # Segment boundaries are the reference's timestamp tokens, pair by pair, up to the end
     # of the audio: our decoder forbids timestamps past the real audio, the reference does not
     # (it ends cards_002, 1.96 s long, at <|2.00|>).
@@ -144,7 +145,7 @@ def test_forced_prefix_continues_to_the_same_tokens(
     full = [t for t in p.reference if t < engine.vocab.eot]
     half = tuple(full[: len(full) // 2])
     forced = engine.decode_windows(
-        [Window(p.mel, p.audio_s, DecodeOptions(word_timestamps=False), prefix=half)]
+        [Window(p.mel, DecodeRequest(p.audio_s, DecodeOptions(word_timestamps=False), prefix=half))]
     )[0]
     assert list(forced.tokens) == full
     assert forced.n_generated < len(full)  # the prefix was forced, not sampled again
@@ -168,7 +169,7 @@ def _noise(rms: float, seconds: float = 2.0) -> Float32Array:
 )
 def test_silence_and_low_noise_give_no_text(engine: Engine, rms: float) -> None:
     result = engine.decode_windows([window(engine, _noise(rms))])[0]
-    assert result.text.strip() == "" or result.stop_reason == "no_speech", (
+    assert result.text.strip() == "" or result.stop_reason == StopReason.NO_SPEECH, (
         result.text,
         result.no_speech_prob,
         result.avg_logprob,
@@ -216,17 +217,19 @@ def test_word_timestamps_are_ordered_inside_the_window_and_spell_the_text(
     for prev, cur in itertools.pairwise(words):
         assert cur.start_s >= prev.end_s - 1e-9
     for x in words:
-        assert 0.0 <= x.start_s <= x.end_s <= w.audio_s + TIMESTAMP_TOLERANCE_S
+        assert 0.0 <= x.start_s <= x.end_s <= w.request.audio_s + TIMESTAMP_TOLERANCE_S
         assert 0.0 <= x.probability <= 1.0
     # The words cover the speech, not a corner of the window.
-    assert words[-1].end_s >= 0.5 * w.audio_s
+    assert words[-1].end_s >= 0.5 * w.request.audio_s
 
 
 def test_released_memory_is_allocated_again_on_the_next_decode(
     engine: Engine, speech_dir: Path
 ) -> None:
     audio = load_clip(speech_dir / "misc_en/jfk.wav")[: 3 * SAMPLE_RATE_HZ]
-    window = Window(engine.features(audio), 3.0, DecodeOptions(word_timestamps=False))
+    window = Window(
+        engine.features(audio), DecodeRequest(3.0, DecodeOptions(word_timestamps=False))
+    )
     before = engine.decode_windows([window, window, window])[0]
     engine.release_memory()
     assert engine.decoder._cache_batch == 0  # the batch-3 caches are gone

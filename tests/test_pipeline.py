@@ -16,8 +16,7 @@ import pytest
 import pytest_asyncio
 
 from server.config import SAMPLE_RATE_HZ, PipelineConfig
-from server.engine.decoder import DecodeResult
-from server.engine.options import DecodeOptions
+from server.engine_api import DecodeOptions, DecodeRequest, DecodeResult
 from server.errors import DecodeError, ProtocolError
 from server.messages import ErrorMessage, FinalMessage, ServerMessage
 from server.pipeline import DriverOutcome, Pipeline, StreamDriver
@@ -37,9 +36,7 @@ def make_job(audio_s: float, created_at: float, session_id: str = "s") -> Decode
         job_id=0,
         audio=np.zeros(round(audio_s * SAMPLE_RATE_HZ), dtype=np.float32),
         start_s=0.0,
-        options=DecodeOptions(),
-        prompt=(),
-        prefix=(),
+        request=DecodeRequest(audio_s, DecodeOptions()),
         closing=False,
         created_at=created_at,
     )
@@ -63,7 +60,7 @@ async def queue_jobs(
 
 @pytest_asyncio.fixture
 async def scripted() -> AsyncIterator[tuple[Pipeline, ScriptedEngine]]:
-    engine = ScriptedEngine(fail_when=lambda w: w.audio_s == 1.5)
+    engine = ScriptedEngine(fail_when=lambda w: w.request.audio_s == 1.5)
     pipeline = Pipeline(PipelineConfig(max_batch_size=8, batch_wait_ms=0.0))
     await pipeline.start(lambda: engine)
     engine.batches.clear()  # the capacity calibration's calls; the tests count their own

@@ -25,6 +25,7 @@ from bench.simulate import SimulationResult, simulate
 from server.audio import pcm_s16le_bytes
 from server.config import SAMPLE_RATE_HZ, StreamingConfig
 from server.engine.offline import transcribe_audio
+from server.engine_api import DecodeResult, Window, WordTiming
 from server.errors import (
     AudioFormatError,
     DecodeError,
@@ -48,8 +49,7 @@ from server.session import MAX_DECODE_FAILURES, DecodeJob, Session
 from tests.helpers import ManifestRow, ScriptedEngine, find_speech_dir, load_clip, normalize, wer
 
 if TYPE_CHECKING:
-    from server.engine.decoder import DecodeResult
-    from server.engine.engine import Engine, Window
+    from server.engine.engine import Engine
 
 WER_MARGIN = 0.02  # streamed finals may be at most 2 points (absolute) worse than offline
 
@@ -245,17 +245,13 @@ def test_flush_finalises_and_keeps_the_session_open(engine: Engine, speech_dir: 
 
 
 def _drain(engine: Engine, session: Session) -> list[FinalMessage]:
-    from server.engine.engine import Window
-
     finals: list[FinalMessage] = []
     while True:
         finals += [m for m in session.events_to_send() if isinstance(m, FinalMessage)]
         job = session.next_job()
         if job is None:
             return finals
-        result = engine.decode_windows(
-            [Window(engine.features(job.audio), job.audio_s, job.options, job.prompt, job.prefix)]
-        )[0]
+        result = engine.decode_windows([Window(engine.features(job.audio), job.request)])[0]
         session.receive_result(job, result)
 
 
@@ -293,9 +289,7 @@ def test_english_only_model_refuses_other_languages(engine: Engine) -> None:
 
 
 def _scripted_decode(engine: ScriptedEngine, job: DecodeJob) -> DecodeResult:
-    from server.engine.engine import Window
-
-    window = Window(engine.features(job.audio), job.audio_s, job.options, job.prompt, job.prefix)
+    window = Window(engine.features(job.audio), job.request)
     return engine.decode_windows([window])[0]
 
 
@@ -352,10 +346,8 @@ class TwoWordsEngine(ScriptedEngine):
         self.trailing = trailing
 
     def _result(self, window: Window) -> DecodeResult:
-        from server.engine.words import WordTiming
-
         full = super()._result(window)
-        last_end = window.audio_s - 0.1 if self.trailing else 0.9
+        last_end = window.request.audio_s - 0.1 if self.trailing else 0.9
         words = (
             WordTiming(" w0", (1000,), 0.0, 0.4, 0.9),
             WordTiming(" w1", (1001,), max(0.5, last_end - 0.4), last_end, 0.9),

@@ -29,12 +29,19 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
+from ..engine_api import (
+    DecodeOptions,
+    DecodeRequest,
+    DecodeResult,
+    Segment,
+    StopReason,
+    WordTiming,
+)
 from ..features import AUDIO_TOKENS_PER_SECOND
 from ..hypothesis import normalize_word
 from .blas import vector_matrix
 from .model import Whisper
-from .options import DecodeOptions
-from .words import WordTiming, align_words
+from .words import align_words
 
 logger = logging.getLogger("server.engine.decoder")
 
@@ -99,54 +106,6 @@ class Vocabulary:
 
     def text(self, tokens: list[int] | tuple[int, ...]) -> str:
         return str(self.tokenizer.decode([t for t in tokens if t < self.eot]))
-
-
-@dataclass(frozen=True)
-class DecodeRequest:
-    """One window of one stream, already encoded."""
-
-    features: mx.array  # (audio positions, state) from the encoder
-    audio_s: float  # seconds of real audio in the window (the rest is padding)
-    options: DecodeOptions = field(default_factory=DecodeOptions)
-    prompt: tuple[int, ...] = ()  # earlier committed text, as context
-    prefix: tuple[int, ...] = ()  # text tokens forced at the start of the output
-    language: str | None = None  # resolved language (filled by detection when None)
-    # A guess at the output: the previous decode's DecodeResult.sequence of the same stream,
-    # passed unchanged (stale, wrong or empty is fine). Only the speed depends on it.
-    draft: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Segment:
-    start_s: float
-    end_s: float
-    text: str
-    tokens: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class DecodeResult:
-    tokens: tuple[int, ...]  # text tokens after the prompt, forced prefix included
-    text: str
-    segments: tuple[Segment, ...]
-    words: tuple[WordTiming, ...]  # empty unless word_timestamps
-    language: str | None
-    avg_logprob: float
-    no_speech_prob: float
-    compression_ratio: float
-    # "eot", "max_tokens", "repetition", "repeat_at_end" (the transcript said its ending
-    # again, or looped after reaching the end of the audio: cut, nothing is missing),
-    # "no_speech", "compression"
-    stop_reason: str
-    n_generated: int  # tokens sampled (not forced) in this call
-    # Every token emitted after the start tokens, timestamps and forced prefix included (not
-    # end-of-text), also when the text is dropped: the next decode's draft.
-    sequence: tuple[int, ...] = ()
-    n_steps: int = 0  # sequential forward passes after the prefill this row needed
-
-    @property
-    def is_speech(self) -> bool:
-        return self.stop_reason not in ("no_speech", "compression")
 
 
 def compression_ratio(text: str) -> float:
@@ -246,7 +205,7 @@ class _Row:
     token_logprobs: list[float] = field(default_factory=list)  # of the sampled tokens
     sum_logprob: float = 0.0  # end-of-text included
     no_speech_prob: float = 0.0
-    stop: str = "max_tokens"
+    stop: StopReason = StopReason.MAX_TOKENS
     done: bool = False
     n_steps: int = 0
 
@@ -369,31 +328,32 @@ class StreamingDecoder:
         return np.array(dec.logits(x).astype(mx.float32))
 
     def _cross(
-        self, requests: list[DecodeRequest]
+        self, features: list[mx.array]
     ) -> tuple[list[tuple[mx.array, mx.array]], mx.array | None, list[int]]:
-        lengths = [int(r.features.shape[0]) for r in requests]
+        """Cross-attention keys and values of encoder outputs of any lengths: right-padded
+        to the longest and masked."""
+        lengths = [int(f.shape[0]) for f in features]
         longest = max(lengths)
         if all(n == longest for n in lengths):
-            audio = mx.stack([r.features for r in requests])
+            audio = mx.stack(features)
             mask = None
         else:
-            audio = mx.stack(
-                [mx.pad(r.features, [(0, longest - r.features.shape[0]), (0, 0)]) for r in requests]
-            )
-            pad = np.zeros((len(requests), 1, 1, longest), dtype=np.float32)
+            audio = mx.stack([mx.pad(f, [(0, longest - f.shape[0]), (0, 0)]) for f in features])
+            pad = np.zeros((len(features), 1, 1, longest), dtype=np.float32)
             for i, n in enumerate(lengths):
                 pad[i, 0, 0, n:] = NEG_INF
             mask = mx.array(pad).astype(self.dtype)
         return self.model.decoder.cross_kv(audio.astype(self.dtype)), mask, lengths
 
     # -- language ----------------------------------------------------------------------
-    def detect_language(self, requests: list[DecodeRequest]) -> list[tuple[str, float]]:
-        """Most likely language per row from the logits after <|startoftranscript|>."""
+    def detect_language(self, features: list[mx.array]) -> list[tuple[str, float]]:
+        """Most likely language per encoder output from the logits after
+        <|startoftranscript|>."""
         if not self.vocab.multilingual:
             raise ValueError("language detection needs a multilingual model; pass language='en'")
         tok = self.vocab.tokenizer
-        cross, cross_mask, _ = self._cross(requests)
-        b = len(requests)
+        cross, cross_mask, _ = self._cross(features)
+        b = len(features)
         caches = self._cache(b)
         tokens = mx.array(np.full((b, 1), self.vocab.sot, dtype=np.int32))
         logits, _ = self._forward(
@@ -413,8 +373,9 @@ class StreamingDecoder:
         return [(tok.all_language_codes[k], float(probs[i, k])) for i, k in enumerate(best)]
 
     # -- decode ------------------------------------------------------------------------
-    def decode(self, requests: list[DecodeRequest]) -> list[DecodeResult]:
-        """Greedy-decode every request in lockstep; rows stop independently.
+    def decode(self, requests: list[DecodeRequest], features: list[mx.array]) -> list[DecodeResult]:
+        """Greedy-decode every request over its encoder output (``features[i]``, (audio
+        positions, state)) in lockstep; rows stop independently.
 
         A request's draft is fed with the prefill and verified there: each draft token that
         greedy decoding would have chosen saves one sequential step. The output does not
@@ -422,9 +383,11 @@ class StreamingDecoder:
         """
         if not requests:
             return []
-        languages = self._languages(requests)
+        if len(features) != len(requests):
+            raise ValueError(f"{len(requests)} requests but {len(features)} encoder outputs")
+        languages = self._languages(requests, features)
         prompts = [self._prompt(r, lang) for r, lang in zip(requests, languages, strict=True)]
-        cross, cross_mask, lengths = self._cross(requests)
+        cross, cross_mask, lengths = self._cross(features)
         rows = self._rows(requests, languages, prompts, lengths)
         caches = self._cache(len(rows))
         next_tokens, valid, offset, caches = self._prefill(rows, caches, cross, cross_mask)
@@ -433,13 +396,15 @@ class StreamingDecoder:
         for row in rows:
             # A loop cut mid-audio ("repetition") is left to the caller's fallback: words after
             # it are missing. A whole transcript only needs an ending read twice removed.
-            if row.stop in ("eot", "repeat_at_end"):
+            if row.stop in (StopReason.EOT, StopReason.REPEAT_AT_END):
                 trimmed = self._trim_repeated_ending(row.full, row.request.options)
                 if trimmed is not None:
-                    row.full, row.stop = trimmed, "repeat_at_end"
+                    row.full, row.stop = trimmed, StopReason.REPEAT_AT_END
         return [self._result(row, cross) for row in rows]
 
-    def _languages(self, requests: list[DecodeRequest]) -> list[str | None]:
+    def _languages(
+        self, requests: list[DecodeRequest], features: list[mx.array]
+    ) -> list[str | None]:
         """Each request's language: its own, detected when None, English for English-only
         models."""
         if not self.vocab.multilingual:
@@ -447,7 +412,7 @@ class StreamingDecoder:
         languages = [r.options.language for r in requests]
         needs = [i for i, lang in enumerate(languages) if lang is None]
         if needs:
-            detected = self.detect_language([requests[i] for i in needs])
+            detected = self.detect_language([features[i] for i in needs])
             for i, (lang, _) in zip(needs, detected, strict=True):
                 languages[i] = lang
         return languages
@@ -652,7 +617,7 @@ class StreamingDecoder:
         row.sum_logprob += logprob
         if tok == v.eot:
             row.done = True
-            row.stop = "eot"
+            row.stop = StopReason.EOT
             return tok
         row.generated.append(tok)
         row.full.append(tok)
@@ -667,12 +632,12 @@ class StreamingDecoder:
         if cut is not None:
             row.full = self._truncate_text(row.full, cut)
             row.done = True
-            row.stop = "repetition"
+            row.stop = StopReason.REPETITION
             # Starting the whole transcript over means the first copy covered the audio; so
             # do timestamps that reached its end.
             restarted = text_only[cut : 2 * cut] == text_only[:cut]
             if restarted or self._reached_end(row.full, row.max_ts):
-                row.stop = "repeat_at_end"
+                row.stop = StopReason.REPEAT_AT_END
         elif len(row.generated) >= row.max_new:
             row.done = True
         return tok
@@ -776,23 +741,23 @@ class StreamingDecoder:
         if no_speech_prob > opts.no_speech_certain or (
             no_speech_prob > opts.no_speech_threshold and avg_logprob < opts.logprob_threshold
         ):
-            stop = "no_speech"
+            stop = StopReason.NO_SPEECH
         elif ratio > opts.compression_ratio_threshold:
-            stop = "compression"
-        if stop in ("no_speech", "compression"):
+            stop = StopReason.COMPRESSION
+        if not stop.is_speech:
             return DecodeResult(
-                (),
-                "",
-                (),
-                (),
-                row.language,
-                avg_logprob,
-                no_speech_prob,
-                ratio,
-                stop,
-                len(generated),
-                tuple(seq),
-                row.n_steps,
+                tokens=(),
+                text="",
+                segments=(),
+                words=(),
+                language=row.language,
+                avg_logprob=avg_logprob,
+                no_speech_prob=no_speech_prob,
+                compression_ratio=ratio,
+                stop_reason=stop,
+                n_generated=len(generated),
+                sequence=tuple(seq),
+                n_steps=row.n_steps,
             )
         segments = self._segments(seq)
         words: tuple[WordTiming, ...] = ()
@@ -809,18 +774,18 @@ class StreamingDecoder:
                 self._words(r, row.language, list(text_tokens), probs, cross, row.index, n_frames)
             )
         return DecodeResult(
-            text_tokens,
-            text,
-            segments,
-            words,
-            row.language,
-            avg_logprob,
-            no_speech_prob,
-            ratio,
-            stop,
-            len(generated),
-            tuple(seq),
-            row.n_steps,
+            tokens=text_tokens,
+            text=text,
+            segments=segments,
+            words=words,
+            language=row.language,
+            avg_logprob=avg_logprob,
+            no_speech_prob=no_speech_prob,
+            compression_ratio=ratio,
+            stop_reason=stop,
+            n_generated=len(generated),
+            sequence=tuple(seq),
+            n_steps=row.n_steps,
         )
 
     def _segments(self, seq: list[int]) -> tuple[Segment, ...]:

@@ -11,7 +11,7 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import SAMPLE_RATE_HZ
+from ..engine_api import DecodeRequest, DecodeResult, Window
 from ..errors import DecodeError
 from ..features import (
     FRAMES_PER_SECOND,
@@ -27,9 +28,8 @@ from ..features import (
     log_mel_spectrogram,
 )
 from .blas import set_blas_threads
-from .decoder import DecodeRequest, DecodeResult, StreamingDecoder, Vocabulary
+from .decoder import StreamingDecoder, Vocabulary
 from .lightning import module as lightning_module
-from .options import DecodeOptions
 from .store import DEFAULT_MODEL, LoadedModel, load_model
 
 logger = logging.getLogger("server.engine")
@@ -66,21 +66,6 @@ class EngineConfig:
             raise ValueError("fallback_context_s must be in (0, 30]")
         if self.context_margin_s < 0 or self.context_step_s <= 0:
             raise ValueError("context_margin_s must be >= 0 and context_step_s > 0")
-
-
-@dataclass(frozen=True)
-class Window:
-    """One stream's audio window, ready for the decode worker."""
-
-    mel: Float32Array  # (context frames, n_mels), from Engine.features
-    audio_s: float  # real audio in the window
-    options: DecodeOptions = field(default_factory=DecodeOptions)
-    prompt: tuple[int, ...] = ()
-    prefix: tuple[int, ...] = ()
-    draft: tuple[int, ...] = ()  # the previous DecodeResult.sequence of this stream (speed only)
-
-
-GUARD_STOPS = ("repetition", "compression", "max_tokens")  # the decode looped
 
 
 def pad_to_full(mel: Float32Array, frames: int = N_FRAMES) -> Float32Array:
@@ -196,16 +181,13 @@ class Engine:
             return []
         try:
             feats = self.encode([w.mel for w in windows])
-            requests = [
-                DecodeRequest(f, w.audio_s, w.options, w.prompt, w.prefix, draft=w.draft)
-                for f, w in zip(feats, windows, strict=True)
-            ]
-            results = self.decoder.decode(requests)
+            requests = [w.request for w in windows]
+            results = self.decoder.decode(requests, feats)
             fallback = self.fallback_frames()
             retry = [
                 i
                 for i, (r, w) in enumerate(zip(results, windows, strict=True))
-                if r.stop_reason in GUARD_STOPS and w.mel.shape[0] < fallback
+                if r.stop_reason.looped and w.mel.shape[0] < fallback
             ]
             if retry:
                 # A short audio context is the usual cause of loops; decode those windows
@@ -214,10 +196,7 @@ class Engine:
                 # verification drops the loop.
                 longer = self.encode([pad_to_full(windows[i].mel, fallback) for i in retry])
                 again = self.decoder.decode(
-                    [
-                        replace(requests[i], features=f, draft=results[i].sequence)
-                        for i, f in zip(retry, longer, strict=True)
-                    ]
+                    [replace(requests[i], draft=results[i].sequence) for i in retry], longer
                 )
                 for i, r in zip(retry, again, strict=True):
                     results[i] = r
@@ -241,5 +220,10 @@ class Engine:
         rng = np.random.default_rng(0)
         noise = (rng.standard_normal(SAMPLE_RATE_HZ * 2) * 0.01).astype(np.float32)
         mel = self.features(noise)
-        self.decode_windows([Window(mel, 2.0), Window(mel, 2.0, prefix=self.encode_text(" Hello"))])
+        self.decode_windows(
+            [
+                Window(mel, DecodeRequest(2.0)),
+                Window(mel, DecodeRequest(2.0, prefix=self.encode_text(" Hello"))),
+            ]
+        )
         return time.perf_counter() - started

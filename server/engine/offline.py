@@ -15,10 +15,9 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import SAMPLE_RATE_HZ
+from ..engine_api import DecodeOptions, DecodeRequest, Segment, Window
 from ..features import N_FRAMES, N_SAMPLES
-from .decoder import Segment
-from .engine import Engine, EngineConfig, Window
-from .options import DecodeOptions
+from .engine import Engine, EngineConfig
 
 logger = logging.getLogger("server.engine.offline")
 
@@ -47,9 +46,10 @@ def transcribe_audio(
         if chunk.shape[0] < hop:  # less than one mel frame of audio is left
             break
         mel = engine.features(chunk, N_FRAMES)
-        window = Window(
-            mel, chunk.shape[0] / SAMPLE_RATE_HZ, options, prompt=tuple(context[-PROMPT_TOKENS:])
+        request = DecodeRequest(
+            chunk.shape[0] / SAMPLE_RATE_HZ, options, prompt=tuple(context[-PROMPT_TOKENS:])
         )
+        window = Window(mel, request)
         result = engine.decode_windows([window])[0]
         language = result.language
         offset_s = seek / SAMPLE_RATE_HZ

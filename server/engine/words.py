@@ -6,24 +6,14 @@ row recurrence so that a streaming server can afford it on every decode.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import numpy.typing as npt
 
+from ..engine_api import WordTiming
 from ..features import AUDIO_TOKENS_PER_SECOND
 
 FloatArray = npt.NDArray[np.float32]
 MEDIAN_FILTER_WIDTH = 7  # frames; Whisper's default smoothing of attention rows
-
-
-@dataclass(frozen=True)
-class WordTiming:
-    word: str  # with Whisper's leading space
-    tokens: tuple[int, ...]
-    start_s: float  # relative to the window start
-    end_s: float
-    probability: float
 
 
 def median_filter(x: FloatArray, width: int) -> FloatArray:
