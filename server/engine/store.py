@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ModelError, ModelFormatError, ModelNotFoundError
-from . import ct2
+from . import ct2_convert
 from .blas import import_mlx
 from .model import ModelDimensions, Whisper
 
@@ -139,7 +139,7 @@ def convert_ct2(folder: Path, parts: list[Path], out: Path) -> Path:
     """Convert a CTranslate2 Whisper folder to MLX ``weights.safetensors`` + ``config.json``."""
     mx = import_mlx()
     if len(parts) == 1:
-        spec, variables = ct2.read_model_bin(parts[0])
+        spec, variables = ct2_convert.read_model_bin(parts[0])
     else:
         joined = out / "model.bin.joined"
         out.mkdir(parents=True, exist_ok=True)
@@ -147,13 +147,13 @@ def convert_ct2(folder: Path, parts: list[Path], out: Path) -> Path:
             for part in parts:
                 fh.write(part.read_bytes())
         try:
-            spec, variables = ct2.read_model_bin(joined)
+            spec, variables = ct2_convert.read_model_bin(joined)
         finally:
             joined.unlink(missing_ok=True)
     if spec != "WhisperSpec":
         raise ModelFormatError(f"{folder}: CTranslate2 spec {spec!r} is not WhisperSpec")
-    dims = ct2.dimensions(variables, parts[0])
-    weights = ct2.to_mlx_weights(variables, dims, parts[0])
+    dims = ct2_convert.dimensions(variables, parts[0])
+    weights = ct2_convert.to_mlx_weights(variables, dims, parts[0])
     config: dict[str, Any] = {"model_type": "whisper", **dims.__dict__}
     ct2_config = folder / "config.json"
     if ct2_config.is_file():

@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from server.engine import ct2
+from server.engine import ct2_convert
 from server.engine.model import ModelDimensions
 from server.errors import ModelFormatError
 from tests.helpers import TINY_EN_DIMS
@@ -65,7 +65,7 @@ def tiny_en_bin() -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_en_vars(tiny_en_bin: Path) -> dict[str, Array]:
-    spec, variables = ct2.read_model_bin(tiny_en_bin)
+    spec, variables = ct2_convert.read_model_bin(tiny_en_bin)
     assert spec == "WhisperSpec"
     return variables
 
@@ -85,7 +85,7 @@ def test_reads_every_variable_of_the_packaged_tiny_en(tiny_en_vars: dict[str, Ar
 
 
 def test_infers_tiny_en_dimensions(tiny_en_bin: Path, tiny_en_vars: dict[str, Array]) -> None:
-    assert ct2.dimensions(tiny_en_vars, tiny_en_bin) == TINY_EN
+    assert ct2_convert.dimensions(tiny_en_vars, tiny_en_bin) == TINY_EN
 
 
 def test_mlx_weights_fit_the_model_tree(tiny_en_bin: Path, tiny_en_vars: dict[str, Array]) -> None:
@@ -93,7 +93,7 @@ def test_mlx_weights_fit_the_model_tree(tiny_en_bin: Path, tiny_en_vars: dict[st
 
     from server.engine.model import Whisper
 
-    weights = ct2.to_mlx_weights(tiny_en_vars, TINY_EN, tiny_en_bin)
+    weights = ct2_convert.to_mlx_weights(tiny_en_vars, TINY_EN, tiny_en_bin)
     expected = {k: tuple(v.shape) for k, v in tree_flatten(Whisper(TINY_EN).parameters())}
     assert {k: tuple(v.shape) for k, v in weights.items()} == expected
     assert not [k for k in weights if k.endswith("key.bias")]  # Whisper's keys have no bias
@@ -102,7 +102,7 @@ def test_mlx_weights_fit_the_model_tree(tiny_en_bin: Path, tiny_en_vars: dict[st
 def test_fused_projections_are_split_and_convolutions_transposed(
     tiny_en_bin: Path, tiny_en_vars: dict[str, Array]
 ) -> None:
-    weights = ct2.to_mlx_weights(tiny_en_vars, TINY_EN, tiny_en_bin)
+    weights = ct2_convert.to_mlx_weights(tiny_en_vars, TINY_EN, tiny_en_bin)
     qkv = tiny_en_vars["decoder/layer_2/self_attention/linear_0/weight"]
     assert qkv.shape == (3 * 384, 384)
     for i, part in enumerate(("query", "key", "value")):
@@ -130,7 +130,7 @@ def test_round_trip_of_every_dtype_and_aliases(tmp_path: Path) -> None:
     }
     path = tmp_path / "model.bin"
     path.write_bytes(model_bin(variables, aliases=(("b/alias", "a/f32"),), codes={"a/bf16": 5}))
-    spec, out = ct2.read_model_bin(path)
+    spec, out = ct2_convert.read_model_bin(path)
     assert spec == "WhisperSpec"
     np.testing.assert_array_equal(out["a/f32"], variables["a/f32"])
     np.testing.assert_array_equal(out["a/f16"], variables["a/f16"])
@@ -144,7 +144,7 @@ def test_truncated_file_is_a_format_error(tmp_path: Path) -> None:
     path = tmp_path / "model.bin"
     path.write_bytes(blob[: len(blob) - 20])
     with pytest.raises(ModelFormatError, match="truncated") as info:
-        ct2.read_model_bin(path)
+        ct2_convert.read_model_bin(path)
     assert str(path) in str(info.value)
 
 
@@ -152,21 +152,21 @@ def test_unsupported_version_is_a_format_error(tmp_path: Path) -> None:
     path = tmp_path / "model.bin"
     path.write_bytes(model_bin({}, version=99))
     with pytest.raises(ModelFormatError, match=r"version 99 is not supported"):
-        ct2.read_model_bin(path)
+        ct2_convert.read_model_bin(path)
 
 
 def test_random_bytes_are_a_format_error(tmp_path: Path) -> None:
     path = tmp_path / "model.bin"
     path.write_bytes(np.random.default_rng(0).bytes(4096))
     with pytest.raises(ModelFormatError, match=r"model\.bin"):
-        ct2.read_model_bin(path)
+        ct2_convert.read_model_bin(path)
 
 
 def test_unknown_dtype_code_is_a_format_error(tmp_path: Path) -> None:
     path = tmp_path / "model.bin"
     path.write_bytes(model_bin({"w": np.ones(2, dtype=np.float32)}, codes={"w": 9}))
     with pytest.raises(ModelFormatError, match="unknown dtype code 9"):
-        ct2.read_model_bin(path)
+        ct2_convert.read_model_bin(path)
 
 
 def test_shape_that_does_not_match_the_data_is_a_format_error(tmp_path: Path) -> None:
@@ -177,19 +177,21 @@ def test_shape_that_does_not_match_the_data_is_a_format_error(tmp_path: Path) ->
     path = tmp_path / "model.bin"
     path.write_bytes(bytes(blob))
     with pytest.raises(ModelFormatError, match=r"6 values for \(2, 4\)"):
-        ct2.read_model_bin(path)
+        ct2_convert.read_model_bin(path)
 
 
 def test_a_model_that_is_not_whisper_is_named_as_such(tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError, match="not a CTranslate2 Whisper model"):
-        ct2.dimensions({"encoder/embeddings/weight": np.zeros((4, 4))}, tmp_path / "model.bin")
+        ct2_convert.dimensions(
+            {"encoder/embeddings/weight": np.zeros((4, 4))}, tmp_path / "model.bin"
+        )
 
 
 def test_missing_layer_variable_is_named(tiny_en_bin: Path, tiny_en_vars: dict[str, Array]) -> None:
     partial = dict(tiny_en_vars)
     del partial["decoder/layer_3/ffn/linear_1/weight"]
     with pytest.raises(ModelFormatError, match="decoder/layer_3/ffn/linear_1/weight"):
-        ct2.to_mlx_weights(partial, TINY_EN, tiny_en_bin)
+        ct2_convert.to_mlx_weights(partial, TINY_EN, tiny_en_bin)
 
 
 def test_fused_projection_that_cannot_be_split_is_a_format_error(
@@ -199,4 +201,4 @@ def test_fused_projection_that_cannot_be_split_is_a_format_error(
     name = "encoder/layer_0/self_attention/linear_0/weight"
     bad[name] = bad[name][:-1]
     with pytest.raises(ModelFormatError, match="not divisible by 3"):
-        ct2.to_mlx_weights(bad, TINY_EN, tiny_en_bin)
+        ct2_convert.to_mlx_weights(bad, TINY_EN, tiny_en_bin)

@@ -1,4 +1,5 @@
-"""Read CTranslate2 Whisper models (``model.bin``) and map them onto our MLX module tree.
+"""Read CTranslate2 Whisper models (``model.bin``) and convert them to our MLX weights: a
+converter run once per model, not an engine (``store`` caches what it writes).
 
 The format (version 6, spec ``WhisperSpec``) is little-endian: ``u32 version``, spec name,
 ``u32 revision``, ``u32 n_vars``; per variable a name, ``u8 rank``, ``rank`` x ``u32`` dims,
