@@ -371,7 +371,7 @@ class Session:
             if not self._cut_before_unheard_tail(seg):
                 self._finish_segment_if_closed(seg, decoded=True)
         else:
-            self._maybe_cut_at_sentence(seg)
+            self._maybe_cut(seg)
         self._maybe_done()
 
     def receive_failure(self, job: DecodeJob, error: Exception) -> None:
@@ -494,18 +494,26 @@ class Session:
         seg.draft = ()
         self._trim()
 
-    def _maybe_cut_at_sentence(self, seg: _Segment) -> None:
-        """Cut after a committed sentence end, or a clause end once the window is long: short
-        windows keep every re-decode cheap, and punctuation is where no word straddles."""
+    def _maybe_cut(self, seg: _Segment) -> None:
+        """Cut after a committed sentence end, a clause end or a pause once the window is
+        long enough for each: short windows keep every re-decode cheap."""
         if not seg.committed:
             return
-        last = seg.committed[-1].text.rstrip()
-        at = round(seg.committed[-1].end_s * SAMPLE_RATE_HZ)
+        c = self.streaming
+        last = seg.committed[-1]
+        at = round(last.end_s * SAMPLE_RATE_HZ)
         window_s = (at - seg.window_start) / SAMPLE_RATE_HZ
-        if (last.endswith(SENTENCE_END) and window_s >= self.streaming.sentence_cut_s) or (
-            last.endswith(CLAUSE_END) and window_s >= self.streaming.clause_cut_s
+        text = last.text.rstrip()
+        if (text.endswith(SENTENCE_END) and window_s >= c.sentence_cut_s) or (
+            text.endswith(CLAUSE_END) and window_s >= c.clause_cut_s
         ):
             self._cut(seg, at)
+            return
+        if window_s < c.pause_cut_s or not seg.tentative:
+            return
+        gap_s = seg.tentative[0].start_s - last.end_s
+        if gap_s >= c.pause_cut_gap_s:
+            self._cut(seg, min(round((last.end_s + gap_s / 2) * SAMPLE_RATE_HZ), seg.heard_to))
 
     def _cut_before_unheard_tail(self, seg: _Segment) -> bool:
         """After a closing decode: when its words end well before the segment does, cut at
