@@ -467,27 +467,6 @@ async def test_server_full_is_refused_with_1013() -> None:
         assert metric_value(page, 'whisperwire_sessions_refused_total{reason="server_full"}') == 1
 
 
-async def test_an_idle_client_is_finished() -> None:
-    async with scripted_server(idle_timeout_s=0.3) as srv:
-        async with connect(stream_url(srv.url)) as ws:
-            messages = [json.loads(raw) async for raw in ws]
-        assert [m["type"] for m in messages] == ["ready", "error", "done"]
-        assert messages[1]["code"] == "idle_timeout"
-        assert ws.close_code == 1000
-
-
-async def test_a_session_past_its_length_is_finished_with_1013() -> None:
-    async with scripted_server(max_session_s=0.3) as srv:
-        async with connect(stream_url(srv.url)) as ws:
-            messages = []
-            with contextlib.suppress(ConnectionClosed):
-                async for raw in ws:
-                    messages.append(json.loads(raw))
-        assert [m["type"] for m in messages] == ["ready", "error", "done"]
-        assert messages[1]["code"] == "limit" and messages[1]["fatal"]
-        assert ws.close_code == 1013
-
-
 async def test_a_client_that_never_reads_is_dropped_not_the_server() -> None:
     async with scripted_server(
         max_pending_messages=8, write_limit_bytes=1024, close_timeout_s=0.5
