@@ -24,7 +24,6 @@ import secrets
 import signal
 import ssl
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -67,9 +66,7 @@ class WhisperwireServer:
         self.config = server or ServerConfig()
         self.metrics = Metrics()
         self.pipeline = Pipeline(pipeline, metrics=self.metrics)
-        self.streaming = replace(
-            streaming or StreamingConfig(), max_frame_bytes=self.config.max_frame_bytes
-        )
+        self.streaming = streaming or StreamingConfig()
         self.vad = vad or VadConfig()
         self._load_engine = load_engine
         self._connections: set[Connection] = set()
@@ -106,7 +103,8 @@ class WhisperwireServer:
             ping_interval=c.ping_interval_s,
             ping_timeout=c.ping_timeout_s,
             close_timeout=c.close_timeout_s,
-            max_size=max(c.max_frame_bytes, MAX_TEXT_MESSAGE_BYTES) + FRAME_SIZE_SLACK_BYTES,
+            max_size=max(self.streaming.max_frame_bytes, MAX_TEXT_MESSAGE_BYTES)
+            + FRAME_SIZE_SLACK_BYTES,
             max_queue=c.max_incoming_frames,
             write_limit=c.write_limit_bytes,
             ssl=ssl_context,

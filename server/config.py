@@ -77,7 +77,9 @@ class StreamingConfig:
     # cuts lost words whose end the alignment put too late (bench-accuracy: 0.65 points).
     clause_cut_s: float = 15.0
     prompt_max_tokens: int = 64  # committed text fed back as context, most recent first
-    max_frame_bytes: int = 1 << 20  # one binary frame; larger gets 1009
+    # One binary audio frame; larger gets an error and 1009. The server's WebSocket frame
+    # limit is derived from it, so this is the only place the limit is set.
+    max_frame_bytes: int = 1 << 20
     commit: CommitConfig = field(default_factory=CommitConfig)  # when a word becomes final
 
     def __post_init__(self) -> None:
@@ -137,7 +139,6 @@ class ServerConfig:
     # Also refuse (1013) a stream beyond what the decode worker is measured to keep in real
     # time (PipelineConfig.capacity_hop_s); off: only max_sessions limits.
     capacity_limit: bool = True
-    max_frame_bytes: int = 1 << 20  # one binary audio frame; larger gets an error and 1009
     max_session_s: float = 4 * 3600.0  # wall-clock or audio seconds, whichever comes first
     idle_timeout_s: float = 30.0  # no frame from the client for this long ends the session
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
@@ -159,8 +160,6 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535]; got {self.port}")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1; got {self.max_sessions}")
-        if self.max_frame_bytes < 1024:
-            raise ValueError(f"max_frame_bytes must be >= 1024; got {self.max_frame_bytes}")
         for name in ("max_session_s", "idle_timeout_s", "open_timeout_s", "close_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")

@@ -133,12 +133,15 @@ async def scripted_server(
     engine: SpeechEngine | None = None,
     *,
     pipeline: PipelineConfig | None = None,
+    streaming: StreamingConfig | None = None,
     **overrides: Any,
 ) -> AsyncIterator[WhisperwireServer]:
     """A server on a free port with the scripted test-double engine (or ``engine``)."""
     config = ServerConfig(host="127.0.0.1", port=0, **overrides)
     chosen = engine or ScriptedEngine()
-    async with WhisperwireServer(lambda: chosen, server=config, pipeline=pipeline) as server:
+    async with WhisperwireServer(
+        lambda: chosen, server=config, pipeline=pipeline, streaming=streaming
+    ) as server:
         yield server
 
 
@@ -547,7 +550,8 @@ async def read_until_closed(ws: ClientConnection, messages: list[dict[str, Any]]
 
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
 async def fuzz_server() -> AsyncIterator[WhisperwireServer]:
-    async with scripted_server(max_frame_bytes=FUZZ_FRAME_BYTES, max_sessions=64) as srv:
+    streaming = StreamingConfig(max_frame_bytes=FUZZ_FRAME_BYTES)
+    async with scripted_server(streaming=streaming, max_sessions=64) as srv:
         yield srv
 
 
