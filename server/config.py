@@ -7,36 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The protocol's formats live in formats.py (the client imports them without this module);
+# re-exported here for the modules that still import them from the configuration.
+from .formats import SAMPLE_RATE_HZ as SAMPLE_RATE_HZ
+from .formats import TASKS as TASKS
+from .formats import AudioFormat as AudioFormat
 from .policy import CommitConfig
-
-SAMPLE_RATE_HZ = 16_000  # Whisper's input rate; everything downstream of ingest runs at it
-ENCODINGS = ("pcm_s16le", "pcm_f32le")
-MIN_SAMPLE_RATE_HZ = 8_000
-MAX_SAMPLE_RATE_HZ = 48_000
-TASKS = ("transcribe", "translate")
-
-
-@dataclass(frozen=True)
-class AudioFormat:
-    """What the client says it sends: mono PCM at some rate, little-endian."""
-
-    sample_rate_hz: int = SAMPLE_RATE_HZ
-    encoding: str = "pcm_s16le"
-
-    def __post_init__(self) -> None:
-        if self.encoding not in ENCODINGS:
-            raise ValueError(
-                f"encoding must be one of {', '.join(ENCODINGS)}; got {self.encoding!r}"
-            )
-        if not MIN_SAMPLE_RATE_HZ <= self.sample_rate_hz <= MAX_SAMPLE_RATE_HZ:
-            raise ValueError(
-                f"sample_rate must be between {MIN_SAMPLE_RATE_HZ} and {MAX_SAMPLE_RATE_HZ} Hz; "
-                f"got {self.sample_rate_hz}"
-            )
-
-    @property
-    def bytes_per_sample(self) -> int:
-        return 2 if self.encoding == "pcm_s16le" else 4
 
 
 @dataclass(frozen=True)

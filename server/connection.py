@@ -25,8 +25,9 @@ from urllib.parse import parse_qs, urlsplit
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from .config import AudioFormat, ServerConfig, StreamingConfig, VadConfig
+from .config import ServerConfig, StreamingConfig, VadConfig
 from .errors import ProtocolError, StreamError
+from .formats import AudioFormat
 from .messages import ErrorMessage, ReadyMessage
 from .metrics import Metrics
 from .pipeline import DriverOutcome, Pipeline, StreamDriver

@@ -25,8 +25,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 from whisper_normalizer.english import EnglishTextNormalizer
 
-from server.config import SAMPLE_RATE_HZ
 from server.errors import DecodeError
+from server.formats import SAMPLE_RATE_HZ
 
 if TYPE_CHECKING:
     # Only for annotations: importing the engine loads MLX, which most tests do not need.

@@ -30,8 +30,9 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from server.app import WhisperwireServer
 from server.audio import pcm_s16le_bytes
-from server.config import SAMPLE_RATE_HZ, PipelineConfig, ServerConfig, StreamingConfig
+from server.config import PipelineConfig, ServerConfig, StreamingConfig
 from server.errors import ModelNotFoundError, StreamError
+from server.formats import SAMPLE_RATE_HZ
 from server.messages import MAX_TEXT_MESSAGE_BYTES
 from server.pipeline import SpeechEngine
 from server.session import MAX_DECODE_FAILURES, Session

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from server.config import SAMPLE_RATE_HZ
 from server.engine.decoder import (
     DecodeRequest,
     DecodeResult,
@@ -25,6 +24,7 @@ from server.engine.decoder import (
 from server.engine.engine import Engine, Window, pad_to_full
 from server.engine.options import DecodeOptions
 from server.engine.words import align_words, dtw, median_filter
+from server.formats import SAMPLE_RATE_HZ
 from tests.helpers import Float32Array, ManifestRow, load_clip, normalize, wer
 
 LOOP_CLIP = "pocketsphinx_testdata/goforward.wav"  # "go forward ten meters", 2.8 s

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from server.config import SAMPLE_RATE_HZ, PipelineConfig
+from server.config import PipelineConfig
 from server.engine.decoder import DecodeResult
 from server.engine.options import DecodeOptions
 from server.errors import DecodeError, ProtocolError
+from server.formats import SAMPLE_RATE_HZ
 from server.messages import ErrorMessage, FinalMessage, ServerMessage
 from server.pipeline import DriverOutcome, Pipeline, StreamDriver
 from server.session import DecodeJob, Session

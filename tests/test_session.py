@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from bench.accuracy import modelled_cost_s
 from bench.simulate import SimulationResult, simulate
 from server.audio import pcm_s16le_bytes
-from server.config import SAMPLE_RATE_HZ, StreamingConfig
+from server.config import StreamingConfig
 from server.engine.offline import transcribe_audio
 from server.errors import (
     AudioFormatError,
@@ -32,6 +32,7 @@ from server.errors import (
     ProtocolError,
     StreamError,
 )
+from server.formats import SAMPLE_RATE_HZ
 from server.hypothesis import normalize_word
 from server.messages import (
     MAX_TEXT_MESSAGE_BYTES,
