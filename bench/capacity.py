@@ -51,9 +51,9 @@ from bench.peer_whisperlive import server_command as peer_command
 from bench.replay import Replay, View, WhisperwireAdapter, replay
 from bench.server_process import ServerProcess, free_port, http_ok, port_open
 from server.audio import read_audio_file
-from server.config import SAMPLE_RATE_HZ
 from server.engine.engine import Engine, EngineConfig
 from server.engine_api import DecodeRequest, Window
+from server.formats import SAMPLE_RATE_HZ
 from tests.helpers import http_get, metric_value, wer
 
 logger = logging.getLogger("bench.capacity")

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from server.config import SAMPLE_RATE_HZ
 from server.engine.blas import OPENBLAS_ENV, check_blas, import_mlx
 from server.engine.store import CACHE_ENV, load_model
+from server.formats import SAMPLE_RATE_HZ
 from tests.helpers import find_speech_dir
 
 logger = logging.getLogger("bench.engine")

@@ -43,7 +43,7 @@ from bench.peer_whisperlive import PeerConfig, WhisperLiveAdapter, default_model
 from bench.peer_whisperlive import server_command as peer_command
 from bench.replay import Replay, WhisperwireAdapter, replay
 from bench.server_process import ServerProcess, free_port, http_ok, port_open
-from server.config import SAMPLE_RATE_HZ
+from server.formats import SAMPLE_RATE_HZ
 from tests.helpers import ManifestRow, wer
 
 logger = logging.getLogger("bench.latency")

@@ -15,9 +15,10 @@ import numpy as np
 import numpy.typing as npt
 
 from server.audio import pcm_s16le_bytes
-from server.config import SAMPLE_RATE_HZ, StreamingConfig, VadConfig
+from server.config import StreamingConfig, VadConfig
 from server.engine.engine import Engine
 from server.engine_api import Window
+from server.formats import SAMPLE_RATE_HZ
 from server.messages import FinalMessage, PartialMessage, ServerMessage, SpeechStartedMessage
 from server.session import DecodeJob, Session
 
@@ -104,7 +105,7 @@ def simulate(
     that window positions -- and therefore the text -- are the same on every run (tests).
     """
     session = Session(
-        session_id, engine, streaming=streaming, vad=vad, multilingual=engine.dims.is_multilingual
+        session_id, streaming=streaming, vad=vad, multilingual=engine.dims.is_multilingual
     )
     result = SimulationResult(audio_s=audio.shape[0] / SAMPLE_RATE_HZ)
     chunk = int(CHUNK_S * SAMPLE_RATE_HZ)

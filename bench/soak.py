@@ -49,7 +49,7 @@ import psutil
 from bench.engine import speech_dir, write_results
 from client.stream import StreamFailed, stream_audio
 from server.audio import pcm_s16le_bytes
-from server.config import SAMPLE_RATE_HZ, AudioFormat
+from server.formats import SAMPLE_RATE_HZ, AudioFormat
 from server.messages import DoneMessage, ErrorMessage, FinalMessage, ServerMessage
 from tests.helpers import load_clip, read_manifest, wer
 

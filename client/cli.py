@@ -31,8 +31,8 @@ from client.sources import (
     StdinSource,
 )
 from client.stream import DEFAULT_URL, ClientError, StreamResult, stream_audio
-from server.config import ENCODINGS, SAMPLE_RATE_HZ, TASKS
 from server.errors import ModelError, WhisperwireError
+from server.formats import ENCODINGS, SAMPLE_RATE_HZ, TASKS
 
 logger = logging.getLogger("client.cli")
 

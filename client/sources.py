@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from server.audio import pcm_s16le_bytes, read_audio_file
-from server.config import SAMPLE_RATE_HZ, AudioFormat
 from server.errors import WhisperwireError
+from server.formats import SAMPLE_RATE_HZ, AudioFormat
 
 logger = logging.getLogger("client.sources")
 

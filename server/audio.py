@@ -18,8 +18,8 @@ import numpy as np
 import numpy.typing as npt
 import soxr
 
-from server.config import SAMPLE_RATE_HZ, AudioFormat
 from server.errors import AudioFormatError, FrameTooLargeError
+from server.formats import SAMPLE_RATE_HZ, AudioFormat
 
 logger = logging.getLogger("server.audio")
 

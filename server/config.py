@@ -7,36 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .formats import TASKS
 from .policy import CommitConfig
-
-SAMPLE_RATE_HZ = 16_000  # Whisper's input rate; everything downstream of ingest runs at it
-ENCODINGS = ("pcm_s16le", "pcm_f32le")
-MIN_SAMPLE_RATE_HZ = 8_000
-MAX_SAMPLE_RATE_HZ = 48_000
-TASKS = ("transcribe", "translate")
-
-
-@dataclass(frozen=True)
-class AudioFormat:
-    """What the client says it sends: mono PCM at some rate, little-endian."""
-
-    sample_rate_hz: int = SAMPLE_RATE_HZ
-    encoding: str = "pcm_s16le"
-
-    def __post_init__(self) -> None:
-        if self.encoding not in ENCODINGS:
-            raise ValueError(
-                f"encoding must be one of {', '.join(ENCODINGS)}; got {self.encoding!r}"
-            )
-        if not MIN_SAMPLE_RATE_HZ <= self.sample_rate_hz <= MAX_SAMPLE_RATE_HZ:
-            raise ValueError(
-                f"sample_rate must be between {MIN_SAMPLE_RATE_HZ} and {MAX_SAMPLE_RATE_HZ} Hz; "
-                f"got {self.sample_rate_hz}"
-            )
-
-    @property
-    def bytes_per_sample(self) -> int:
-        return 2 if self.encoding == "pcm_s16le" else 4
 
 
 @dataclass(frozen=True)
@@ -82,7 +54,9 @@ class StreamingConfig:
     pause_cut_s: float = 15.0
     pause_cut_gap_s: float = 0.3
     prompt_max_tokens: int = 64  # committed text fed back as context, most recent first
-    max_frame_bytes: int = 1 << 20  # one binary frame; larger gets 1009
+    # One binary audio frame; larger gets an error and 1009. The server's WebSocket frame
+    # limit is derived from it, so this is the only place the limit is set.
+    max_frame_bytes: int = 1 << 20
     commit: CommitConfig = field(default_factory=CommitConfig)  # when a word becomes final
 
     def __post_init__(self) -> None:
@@ -144,7 +118,6 @@ class ServerConfig:
     # Also refuse (1013) a stream beyond what the decode worker is measured to keep in real
     # time (PipelineConfig.capacity_hop_s); off: only max_sessions limits.
     capacity_limit: bool = True
-    max_frame_bytes: int = 1 << 20  # one binary audio frame; larger gets an error and 1009
     max_session_s: float = 4 * 3600.0  # wall-clock or audio seconds, whichever comes first
     idle_timeout_s: float = 30.0  # no frame from the client for this long ends the session
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
@@ -166,8 +139,6 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535]; got {self.port}")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1; got {self.max_sessions}")
-        if self.max_frame_bytes < 1024:
-            raise ValueError(f"max_frame_bytes must be >= 1024; got {self.max_frame_bytes}")
         for name in ("max_session_s", "idle_timeout_s", "open_timeout_s", "close_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")

@@ -12,7 +12,7 @@ from functools import lru_cache
 import numpy as np
 import numpy.typing as npt
 
-from .config import SAMPLE_RATE_HZ
+from .formats import SAMPLE_RATE_HZ
 
 N_FFT = 400  # 25 ms at 16 kHz
 HOP_LENGTH = 160  # 10 ms at 16 kHz

@@ -44,9 +44,10 @@ import numpy as np
 import numpy.typing as npt
 
 from .capacity import CapacityModel
-from .config import SAMPLE_RATE_HZ, PipelineConfig
+from .config import PipelineConfig
 from .engine_api import DecodeRequest, DecodeResult, SpeechEngine, Window
 from .errors import DecodeError
+from .formats import SAMPLE_RATE_HZ
 from .messages import EndMessage, ErrorMessage, ServerMessage
 from .metrics import Metrics
 from .session import DecodeJob, Session

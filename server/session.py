@@ -25,16 +25,16 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from .audio import PcmDecoder
 from .buffer import SampleBuffer
-from .config import SAMPLE_RATE_HZ, AudioFormat, StreamingConfig, VadConfig
+from .config import StreamingConfig, VadConfig
 from .engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
 from .errors import ProtocolError
+from .formats import SAMPLE_RATE_HZ, AudioFormat
 from .hypothesis import Word, normalize_word
 from .messages import (
     AUTO_LANGUAGE,
@@ -64,12 +64,6 @@ MAX_DECODE_FAILURES = 3  # per segment, before its remaining audio is given up w
 FIRST_WORDS_WINDOW_S = 3.0  # a segment without words after this decodes at the usual pace
 IDLE_KEEP_S = 1.0  # audio kept while nobody speaks, for the VAD's look-back padding
 TAIL_RETRY_S = 1.0  # speech left after a closing decode's last word that is decoded again
-
-
-class TextCodec(Protocol):
-    """What the session needs of the tokenizer (the engine provides it)."""
-
-    def encode_text(self, text: str) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -117,7 +111,6 @@ class Session:
     def __init__(
         self,
         session_id: str,
-        codec: TextCodec,
         *,
         audio_format: AudioFormat | None = None,
         streaming: StreamingConfig | None = None,
@@ -125,7 +118,6 @@ class Session:
         multilingual: bool = False,
     ) -> None:
         self.session_id = session_id
-        self.codec = codec
         self.audio_format = audio_format or AudioFormat()
         self.streaming = streaming or StreamingConfig()
         self.vad_config = vad or VadConfig()

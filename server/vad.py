@@ -21,7 +21,8 @@ import numpy.typing as npt
 import webrtcvad
 
 from server.audio import pcm_s16le_bytes
-from server.config import SAMPLE_RATE_HZ, VadConfig
+from server.config import VadConfig
+from server.formats import SAMPLE_RATE_HZ
 
 logger = logging.getLogger("server.vad")
 

@@ -25,9 +25,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 from whisper_normalizer.english import EnglishTextNormalizer
 
-from server.config import SAMPLE_RATE_HZ
 from server.engine_api import DecodeResult, StopReason, Window, WordTiming
 from server.errors import DecodeError
+from server.formats import SAMPLE_RATE_HZ
 
 REPO = Path(__file__).resolve().parents[1]
 SPEECH_ENV = "WHISPERWIRE_SPEECH_DIR"

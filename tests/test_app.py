@@ -30,9 +30,10 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from server.app import WhisperwireServer
 from server.audio import pcm_s16le_bytes
-from server.config import SAMPLE_RATE_HZ, PipelineConfig, ServerConfig, StreamingConfig
+from server.config import PipelineConfig, ServerConfig, StreamingConfig
 from server.engine_api import DecodeResult, SpeechEngine, Window
 from server.errors import ModelNotFoundError, StreamError
+from server.formats import SAMPLE_RATE_HZ
 from server.messages import MAX_TEXT_MESSAGE_BYTES
 from server.session import MAX_DECODE_FAILURES, Session
 from tests.helpers import (
@@ -132,12 +133,15 @@ async def scripted_server(
     engine: SpeechEngine | None = None,
     *,
     pipeline: PipelineConfig | None = None,
+    streaming: StreamingConfig | None = None,
     **overrides: Any,
 ) -> AsyncIterator[WhisperwireServer]:
     """A server on a free port with the scripted test-double engine (or ``engine``)."""
     config = ServerConfig(host="127.0.0.1", port=0, **overrides)
     chosen = engine or ScriptedEngine()
-    async with WhisperwireServer(lambda: chosen, server=config, pipeline=pipeline) as server:
+    async with WhisperwireServer(
+        lambda: chosen, server=config, pipeline=pipeline, streaming=streaming
+    ) as server:
         yield server
 
 
@@ -466,27 +470,6 @@ async def test_server_full_is_refused_with_1013() -> None:
         assert metric_value(page, 'whisperwire_sessions_refused_total{reason="server_full"}') == 1
 
 
-async def test_an_idle_client_is_finished() -> None:
-    async with scripted_server(idle_timeout_s=0.3) as srv:
-        async with connect(stream_url(srv.url)) as ws:
-            messages = [json.loads(raw) async for raw in ws]
-        assert [m["type"] for m in messages] == ["ready", "error", "done"]
-        assert messages[1]["code"] == "idle_timeout"
-        assert ws.close_code == 1000
-
-
-async def test_a_session_past_its_length_is_finished_with_1013() -> None:
-    async with scripted_server(max_session_s=0.3) as srv:
-        async with connect(stream_url(srv.url)) as ws:
-            messages = []
-            with contextlib.suppress(ConnectionClosed):
-                async for raw in ws:
-                    messages.append(json.loads(raw))
-        assert [m["type"] for m in messages] == ["ready", "error", "done"]
-        assert messages[1]["code"] == "limit" and messages[1]["fatal"]
-        assert ws.close_code == 1013
-
-
 async def test_a_client_that_never_reads_is_dropped_not_the_server() -> None:
     async with scripted_server(
         max_pending_messages=8, write_limit_bytes=1024, close_timeout_s=0.5
@@ -567,7 +550,8 @@ async def read_until_closed(ws: ClientConnection, messages: list[dict[str, Any]]
 
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
 async def fuzz_server() -> AsyncIterator[WhisperwireServer]:
-    async with scripted_server(max_frame_bytes=FUZZ_FRAME_BYTES, max_sessions=64) as srv:
+    streaming = StreamingConfig(max_frame_bytes=FUZZ_FRAME_BYTES)
+    async with scripted_server(streaming=streaming, max_sessions=64) as srv:
         yield srv
 
 
@@ -639,9 +623,7 @@ async def test_random_frames_get_documented_errors_and_spare_other_sessions(
     clip = load_clip(speech_dir / COMPANION_CLIP)
     # The sans-I/O core says what the server must answer to each frame: an identical session,
     # fed the same frames, is the oracle.
-    oracle = Session(
-        "oracle", ScriptedEngine(), streaming=StreamingConfig(max_frame_bytes=FUZZ_FRAME_BYTES)
-    )
+    oracle = Session("oracle", streaming=StreamingConfig(max_frame_bytes=FUZZ_FRAME_BYTES))
     wire: list[bytes | str] = []
     expected: list[tuple[str, bool]] = []
     close_code = 1000

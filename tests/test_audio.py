@@ -12,8 +12,8 @@ import pytest
 import soxr
 
 from server.audio import PcmDecoder, pcm_s16le_bytes, read_audio_file
-from server.config import SAMPLE_RATE_HZ, AudioFormat
 from server.errors import AudioFormatError, FrameTooLargeError
+from server.formats import SAMPLE_RATE_HZ, AudioFormat
 
 
 def _raw_wav(path: Path) -> npt.NDArray[np.float32]:

@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from server.config import SAMPLE_RATE_HZ
 from server.engine.blas import import_mlx
 from server.engine.engine import Engine
 from server.engine.lightning import module as lightning_module
 from server.engine.offline import transcribe_audio
 from server.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason, Window
 from server.features import N_FRAMES
+from server.formats import SAMPLE_RATE_HZ
 from tests.helpers import Float32Array, ManifestRow, load_clip, normalize, wer
 
 logger = logging.getLogger("tests.test_engine")

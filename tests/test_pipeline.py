@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from server.config import SAMPLE_RATE_HZ, PipelineConfig
+from server.config import PipelineConfig
 from server.engine_api import DecodeOptions, DecodeRequest, DecodeResult
 from server.errors import DecodeError, ProtocolError
+from server.formats import SAMPLE_RATE_HZ
 from server.messages import ErrorMessage, FinalMessage, ServerMessage
 from server.pipeline import DriverOutcome, Pipeline, StreamDriver
 from server.session import DecodeJob, Session
@@ -237,7 +238,7 @@ async def test_a_decode_failure_reaches_only_the_affected_client(speech_dir: Pat
     engine.batches.clear()  # the capacity calibration's calls
     try:
         drivers = {
-            name: StreamDriver(Session(name, engine), pipeline, max_pending_messages=10_000)
+            name: StreamDriver(Session(name), pipeline, max_pending_messages=10_000)
             for name in ("quiet1", "loud", "quiet2")
         }
         audio = {"quiet1": quiet, "loud": loud, "quiet2": quiet}
@@ -268,7 +269,7 @@ async def test_a_client_that_does_not_read_overflows_its_outbox() -> None:
     pipeline = Pipeline()
     await pipeline.start(lambda: engine)
     try:
-        driver = StreamDriver(Session("slow", engine), pipeline, max_pending_messages=2)
+        driver = StreamDriver(Session("slow"), pipeline, max_pending_messages=2)
         for _ in range(3):
             with pytest.raises(ProtocolError) as caught:
                 driver.receive_text("{not json")

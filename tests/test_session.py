@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from bench.accuracy import modelled_cost_s
 from bench.simulate import SimulationResult, simulate
 from server.audio import pcm_s16le_bytes
-from server.config import SAMPLE_RATE_HZ, StreamingConfig
+from server.config import StreamingConfig
 from server.engine.offline import transcribe_audio
 from server.engine_api import DecodeResult, Window, WordTiming
 from server.errors import (
@@ -33,6 +33,7 @@ from server.errors import (
     ProtocolError,
     StreamError,
 )
+from server.formats import SAMPLE_RATE_HZ
 from server.hypothesis import normalize_word
 from server.messages import (
     MAX_TEXT_MESSAGE_BYTES,
@@ -225,7 +226,7 @@ def test_no_words_after_the_last_speech(engine: Engine, speech_dir: Path, kind: 
 
 
 def _session(engine: Engine, **streaming: object) -> Session:
-    return Session("t", engine, streaming=StreamingConfig(**streaming))  # type: ignore[arg-type]
+    return Session("t", streaming=StreamingConfig(**streaming))  # type: ignore[arg-type]
 
 
 def test_flush_finalises_and_keeps_the_session_open(engine: Engine, speech_dir: Path) -> None:
@@ -310,7 +311,7 @@ def test_a_stream_that_falls_behind_loses_no_audio(speech_dir: Path) -> None:
     engine = ScriptedEngine()
     speech = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
     pcm = pcm_s16le_bytes(speech[: 40 * SAMPLE_RATE_HZ])
-    session = Session("behind", engine)
+    session = Session("behind")
     session.receive_audio(pcm[:12_800])  # 0.4 s: the first decode is dispatched at once
     first = session.next_job()
     assert first is not None
@@ -357,7 +358,7 @@ class TwoWordsEngine(ScriptedEngine):
 
 def _stream_without_end(engine: ScriptedEngine, audio: np.ndarray) -> list[ServerMessage]:
     """Audio in 0.1 s chunks, each decode answered at once; no ``end``, no closing silence."""
-    session = Session("open", engine)
+    session = Session("open")
     events: list[ServerMessage] = []
     for chunk in range(0, audio.shape[0], SAMPLE_RATE_HZ // 10):
         session.receive_audio(pcm_s16le_bytes(audio[chunk : chunk + SAMPLE_RATE_HZ // 10]))
@@ -414,7 +415,7 @@ def test_a_segment_decodes_at_the_first_decode_pace_until_it_shows_a_word(
 def test_the_schedulers_hop_stretches_the_decode_cadence(speech_dir: Path) -> None:
     audio = load_clip(speech_dir / OPEN_SPEECH_CLIP)[: int(OPEN_SPEECH_S * SAMPLE_RATE_HZ)]
     engine = ScriptedEngine()
-    session = Session("busy", engine)
+    session = Session("busy")
     for chunk in range(0, audio.shape[0], SAMPLE_RATE_HZ // 10):
         session.receive_audio(pcm_s16le_bytes(audio[chunk : chunk + SAMPLE_RATE_HZ // 10]))
         while (job := session.next_job(min_hop_s=0.7)) is not None:
@@ -440,7 +441,7 @@ class EarlyEndEngine(ScriptedEngine):
 
 def test_speech_after_an_early_end_of_text_is_decoded_again(speech_dir: Path) -> None:
     engine = EarlyEndEngine()
-    session = Session("early", engine)
+    session = Session("early")
     clip = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")[
         : 12 * SAMPLE_RATE_HZ
     ]
@@ -460,7 +461,7 @@ def test_speech_after_an_early_end_of_text_is_decoded_again(speech_dir: Path) ->
 
 def test_speech_given_up_after_failed_decodes_is_reported(speech_dir: Path) -> None:
     engine = ScriptedEngine()
-    session = Session("failing", engine)
+    session = Session("failing")
     clip = load_clip(speech_dir / "librispeech_test-clean/1089-134691-0001.wav")
     silence = np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)
     session.receive_audio(pcm_s16le_bytes(np.concatenate([clip, silence, clip, silence])))
@@ -587,9 +588,7 @@ def test_random_input_gives_only_documented_errors_and_loses_nothing(
     actions: list[object], early_end: bool
 ) -> None:
     engine = EarlyEndEngine() if early_end else ScriptedEngine()
-    session = Session(
-        "fuzz", engine, streaming=StreamingConfig(max_frame_bytes=FUZZ_MAX_FRAME_BYTES)
-    )
+    session = Session("fuzz", streaming=StreamingConfig(max_frame_bytes=FUZZ_MAX_FRAME_BYTES))
     events: list[ServerMessage] = []
     accepted_s = 0.0
     resampled = False

@@ -7,7 +7,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from server.config import SAMPLE_RATE_HZ, VadConfig
+from server.config import VadConfig
+from server.formats import SAMPLE_RATE_HZ
 from server.vad import SpeechEnded, SpeechStarted, VadEvent, VadSegmenter
 from tests.helpers import find_speech_dir, load_clip
 

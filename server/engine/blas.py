@@ -2,8 +2,10 @@
 
 The ``mlx-cpu`` wheel links a reference BLAS (about 4 GFLOP/s on our 2-core machines).
 Loading OpenBLAS into the process with RTLD_GLOBAL *before* ``mlx.core`` is imported routes
-MLX's ``cblas_sgemm`` calls to it (about 20x faster). ``import_mlx()`` is the one place that
-imports ``mlx.core`` for the engine, so the order is guaranteed.
+MLX's ``cblas_sgemm`` calls to it (about 20x faster). The order is guaranteed by where the
+imports are: this package's ``__init__`` runs ``preload_openblas()`` before any of its modules
+(``engine``, ``decoder``, ``model``, ``cpu_kernels``) imports ``mlx.core``, and code outside
+the package (benchmarks, tests) gets ``mlx.core`` from ``import_mlx()``.
 """
 
 from __future__ import annotations

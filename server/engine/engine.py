@@ -18,7 +18,6 @@ import mlx.nn as nn
 import numpy as np
 import numpy.typing as npt
 
-from ..config import SAMPLE_RATE_HZ
 from ..engine_api import DecodeRequest, DecodeResult, Window
 from ..errors import DecodeError
 from ..features import (
@@ -27,6 +26,7 @@ from ..features import (
     N_SAMPLES,
     log_mel_spectrogram,
 )
+from ..formats import SAMPLE_RATE_HZ
 from .blas import set_blas_threads
 from .decoder import StreamingDecoder, Vocabulary
 from .lightning import module as lightning_module

@@ -192,7 +192,9 @@ class AudioEncoder(nn.Module):
         self.conv1 = nn.Conv1d(n_mels, n_state, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(n_state, n_state, kernel_size=3, stride=2, padding=1)
         # Leading underscore: MLX does not treat it as a parameter, so it is neither saved
-        # nor loaded; it is recomputed exactly (see MODELS.md on CT2's fp16 copy).
+        # nor loaded; it is recomputed exactly. CTranslate2 stores it rounded to float16; the
+        # exact one changes activations slightly but not the transcripts (measured; the notes
+        # are in the workspace's shared/docs/MODELS.md, outside this repository).
         self._positional_embedding = sinusoids(n_ctx, n_state)
         self.blocks = [ResidualAttentionBlock(n_state, n_head) for _ in range(n_layer)]
         self.ln_post = nn.LayerNorm(n_state)

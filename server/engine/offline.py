@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from ..config import SAMPLE_RATE_HZ
 from ..engine_api import DecodeOptions, DecodeRequest, Segment, Window
 from ..features import N_FRAMES, N_SAMPLES
+from ..formats import SAMPLE_RATE_HZ
 from .engine import Engine, EngineConfig
 
 logger = logging.getLogger("server.engine.offline")

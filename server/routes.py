@@ -1,0 +1,147 @@
+"""HTTP on the stream's port: the browser page, ``/healthz``, ``/readyz``, ``/metrics``.
+
+websockets hands every request to ``process_request`` before any WebSocket handshake; a
+``Response`` answers it there, None lets the handshake on ``STREAM_PATH`` go on. The stream
+path is checked here too (readiness, API key, Origin), so a refused client gets an HTTP
+status rather than a WebSocket that closes at once.
+
+The page's files are package data of ``server`` (``server/web``).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import importlib.resources
+import re
+from http import HTTPStatus
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+
+from .access import api_key_offered, origin_allowed
+from .config import ServerConfig
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import Metrics
+
+STREAM_PATH = "/v1/stream"
+WEB_FOLDER = "web"  # under the server package
+_STATIC_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".mjs": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".json": "application/json",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+    ".ico": "image/x-icon",
+    ".wasm": "application/wasm",
+}
+
+
+class ServerState(Protocol):
+    """What the routes read from the server (``WhisperwireServer`` is the real one)."""
+
+    @property
+    def config(self) -> ServerConfig: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def closing(self) -> bool: ...
+
+    def full_reason(self) -> str | None: ...
+
+
+def response(
+    status: HTTPStatus,
+    body: bytes | str,
+    content_type: str = "text/plain; charset=utf-8",
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """A complete response that closes the connection and is never cached."""
+    data = body.encode("utf-8") if isinstance(body, str) else body
+    h = Headers()
+    h["Date"] = email.utils.formatdate(usegmt=True)
+    h["Connection"] = "close"
+    h["Content-Type"] = content_type
+    h["Content-Length"] = str(len(data))
+    h["Cache-Control"] = "no-store"
+    h["X-Content-Type-Options"] = "nosniff"
+    for name, value in (headers or {}).items():
+        h[name] = value
+    return Response(status.value, status.phrase, h, data)
+
+
+def web_file(name: str) -> tuple[bytes, str] | None:
+    """A file of the browser page (``server/web``) and its content type, or None.
+
+    Only plain names with a known suffix are looked up, so no request reaches outside the
+    page's folder.
+    """
+    if not _STATIC_NAME_RE.fullmatch(name) or ".." in name:
+        return None
+    suffix = name[name.rfind(".") :] if "." in name else ""
+    content_type = CONTENT_TYPES.get(suffix)
+    if content_type is None:
+        return None
+    try:
+        resource = importlib.resources.files("server").joinpath(WEB_FOLDER).joinpath(name)
+        if not resource.is_file():
+            return None
+        return resource.read_bytes(), content_type
+    except OSError:
+        return None
+
+
+def process_request(server: ServerState, request: Request) -> Response | None:
+    """The answer to one HTTP request, or None to go on with the stream's handshake."""
+    path = urlsplit(request.path).path
+    if path == STREAM_PATH:
+        return _check_stream_request(server, request)
+    if path == "/healthz":
+        return response(HTTPStatus.OK, "ok\n")
+    if path == "/readyz":
+        if not server.ready:
+            state = "shutting down" if server.closing else "loading the model"
+            return response(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {state}\n")
+        full = server.full_reason()
+        if full is not None:
+            return response(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: full: {full}\n")
+        return response(HTTPStatus.OK, "ready\n")
+    if path == "/metrics":
+        return response(HTTPStatus.OK, server.metrics.render(), METRICS_CONTENT_TYPE)
+    name = "index.html" if path == "/" else path.removeprefix("/static/").lstrip("/")
+    found = web_file(name)
+    if found is not None:
+        return response(HTTPStatus.OK, found[0], found[1])
+    return response(HTTPStatus.NOT_FOUND, f"not found: {path[:100]}\n")
+
+
+def _check_stream_request(server: ServerState, request: Request) -> Response | None:
+    """Refuse the handshake (HTTP status) for an unready server, a bad token or Origin."""
+    config, metrics = server.config, server.metrics
+    if not server.ready:
+        metrics.sessions_refused.inc(1, "not_ready")
+        return response(
+            HTTPStatus.SERVICE_UNAVAILABLE,
+            "the server is not ready (loading the model or shutting down); retry later\n",
+            headers={"Retry-After": "5"},
+        )
+    if config.api_key is not None and not api_key_offered(request, config.api_key):
+        metrics.sessions_refused.inc(1, "unauthorized")
+        return response(
+            HTTPStatus.UNAUTHORIZED,
+            "missing or wrong API key: send 'Authorization: Bearer KEY' or ?token=KEY\n",
+            headers={"WWW-Authenticate": 'Bearer realm="whisperwire"'},
+        )
+    if not origin_allowed(request, config.allowed_origins, tls=config.tls):
+        metrics.sessions_refused.inc(1, "forbidden_origin")
+        return response(HTTPStatus.FORBIDDEN, "this Origin may not connect\n")
+    return None

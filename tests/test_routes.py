@@ -1,0 +1,113 @@
+"""HTTP answers before the handshake: the page's files, probes, metrics and stream refusals,
+against a server state double (no socket, no engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+import pytest
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+
+from server.config import ServerConfig
+from server.metrics import Metrics
+from server.routes import STREAM_PATH, process_request, response, web_file
+from tests.helpers import metric_value
+
+
+@dataclass
+class StubServerState:
+    """A ``ServerState`` whose readiness and fullness the test sets."""
+
+    config: ServerConfig = field(default_factory=ServerConfig)
+    metrics: Metrics = field(default_factory=Metrics)
+    ready: bool = True
+    closing: bool = False
+    full: str | None = None
+
+    def full_reason(self) -> str | None:
+        return self.full
+
+
+def get(state: StubServerState, path: str, **headers: str) -> Response:
+    h = Headers()
+    h["Host"] = "127.0.0.1:8765"
+    for name, value in headers.items():
+        h[name] = value
+    answer = process_request(state, Request(path, h))
+    assert answer is not None
+    return answer
+
+
+def test_responses_close_and_are_never_cached() -> None:
+    answer = response(HTTPStatus.OK, "hi\n", headers={"Retry-After": "5"})
+    assert (answer.status_code, answer.body) == (200, b"hi\n")
+    assert answer.headers["Connection"] == "close"
+    assert answer.headers["Cache-Control"] == "no-store"
+    assert answer.headers["Content-Length"] == "3"
+    assert answer.headers["Retry-After"] == "5"
+
+
+def test_the_page_ships_with_the_server() -> None:
+    for name, kind in (
+        ("index.html", "text/html"),
+        ("app.js", "text/javascript"),
+        ("audio-worklet.js", "text/javascript"),
+    ):
+        found = web_file(name)
+        assert found is not None, name
+        assert found[1].startswith(kind) and found[0], name
+
+
+@pytest.mark.parametrize(
+    "name", ["../app.py", "..", ".hidden.js", "routes.py", "nosuch.js", "web/app.js", ""]
+)
+def test_only_page_files_are_served(name: str) -> None:
+    assert web_file(name) is None
+
+
+def test_probes_and_page() -> None:
+    state = StubServerState()
+    assert get(state, "/healthz").body == b"ok\n"
+    assert (get(state, "/readyz").status_code, get(state, "/readyz").body) == (200, b"ready\n")
+    page = get(state, "/")
+    assert page.headers["Content-Type"] == "text/html; charset=utf-8"
+    assert get(state, "/static/app.js").body == get(state, "/app.js").body
+    assert get(state, "/nope").status_code == 404
+    metrics = get(state, "/metrics")
+    assert metrics.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+
+
+def test_readyz_says_why_it_is_not_ready() -> None:
+    assert get(StubServerState(ready=False), "/readyz").body == b"not ready: loading the model\n"
+    closing = StubServerState(ready=False, closing=True)
+    assert get(closing, "/readyz").body == b"not ready: shutting down\n"
+    full = get(StubServerState(full="at the limit"), "/readyz")
+    assert (full.status_code, full.body) == (503, b"not ready: full: at the limit\n")
+
+
+def test_the_stream_handshake_goes_on_when_nothing_refuses_it() -> None:
+    assert process_request(StubServerState(), Request(STREAM_PATH, Headers())) is None
+
+
+def test_stream_refusals_are_http_statuses_and_counted() -> None:
+    state = StubServerState(
+        config=ServerConfig(api_key="s3cret", allowed_origins=("https://app.example",)),
+        ready=False,
+    )
+    refused = get(state, STREAM_PATH)
+    assert (refused.status_code, refused.headers["Retry-After"]) == (503, "5")
+    state.ready = True
+    refused = get(state, STREAM_PATH)
+    assert refused.status_code == 401 and "Bearer" in refused.headers["WWW-Authenticate"]
+    refused = get(state, STREAM_PATH, Authorization="Bearer s3cret", Origin="https://evil.example")
+    assert refused.status_code == 403
+    h = Headers()
+    h["Authorization"] = "Bearer s3cret"
+    h["Origin"] = "https://app.example"
+    assert process_request(state, Request(STREAM_PATH + "?x=1", h)) is None
+    page = state.metrics.render()
+    name = "whisperwire_sessions_refused_total"
+    for reason in ("not_ready", "unauthorized", "forbidden_origin"):
+        assert metric_value(page, f'{name}{{reason="{reason}"}}') == 1, reason
