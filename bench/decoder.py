@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -151,6 +152,21 @@ def bench_encoder(engine: Engine, stock: Stock, repeats: int, budget_s: float) -
             stats["frames"] = frames
             stats["speedup_vs_stock"] = round(stock_times["p50_ms"] / stats["p50_ms"], 2)
             row[label] = stats
+        # The policy context again with the library's GELU and softmax (cpu_kernels off).
+        encoder = engine.loaded.model.encoder
+        if encoder.cpu_kernels_enabled:
+            mel = engine.features(window, engine.context_frames(seconds))
+            encoder.use_cpu_kernels(False)
+            try:
+                library = summary(
+                    timed(
+                        functools.partial(engine.encode, [mel]), repeats=repeats, budget_s=budget_s
+                    )
+                )
+            finally:
+                encoder.use_cpu_kernels(True)
+            library["kernels_speedup"] = round(library["p50_ms"] / row["policy"]["p50_ms"], 2)
+            row["policy_library_functions"] = library
         rows[f"{seconds}s"] = row
         logger.info("encoder %s", row)
     return rows

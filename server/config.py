@@ -48,11 +48,6 @@ class StreamingConfig:
     # Past this, also cut after a committed comma, colon or semicolon. At max_window_s: clause
     # cuts lost words whose end the alignment put too late (bench-accuracy: 0.65 points).
     clause_cut_s: float = 15.0
-    # Past this, also cut inside a pause after the last committed word: the next word starts
-    # at least ``pause_cut_gap_s`` after it (in the newest decode's word times). The cut goes
-    # to the middle of the pause, where an end time estimated late still loses nothing.
-    pause_cut_s: float = 15.0
-    pause_cut_gap_s: float = 0.3
     prompt_max_tokens: int = 64  # committed text fed back as context, most recent first
     # One binary audio frame; larger gets an error and 1009. The server's WebSocket frame
     # limit is derived from it, so this is the only place the limit is set.
@@ -68,8 +63,6 @@ class StreamingConfig:
             raise ValueError("clause_cut_s must be in (0, max_window_s]")
         if not 0 <= self.sentence_cut_s <= self.max_window_s:
             raise ValueError("sentence_cut_s must be in [0, max_window_s]")
-        if not 0 <= self.pause_cut_s <= self.max_window_s or self.pause_cut_gap_s <= 0:
-            raise ValueError("pause_cut_s must be in [0, max_window_s] and pause_cut_gap_s > 0")
         if self.min_new_audio_ms <= 0 or self.first_decode_ms <= 0:
             raise ValueError("min_new_audio_ms and first_decode_ms must be > 0")
         if not 0 <= self.prompt_max_tokens <= 223:

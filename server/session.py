@@ -487,8 +487,12 @@ class Session:
         self._trim()
 
     def _maybe_cut(self, seg: _Segment) -> None:
-        """Cut after a committed sentence end, a clause end or a pause once the window is
-        long enough for each: short windows keep every re-decode cheap."""
+        """Cut after a committed sentence end, or a clause end once the window is long: short
+        windows keep every re-decode cheap, and punctuation is where no word straddles.
+
+        Cutting in pauses the VAD heard (between the last committed word and the next) was
+        measured and dropped: at 3 s windows +1.7 points on the short clips, at 6 s +7 errors
+        on LJ long, for a few percent less decode time. Whisper needs the context."""
         if not seg.committed:
             return
         c = self.streaming
@@ -500,12 +504,6 @@ class Session:
             text.endswith(CLAUSE_END) and window_s >= c.clause_cut_s
         ):
             self._cut(seg, at)
-            return
-        if window_s < c.pause_cut_s or not seg.tentative:
-            return
-        gap_s = seg.tentative[0].start_s - last.end_s
-        if gap_s >= c.pause_cut_gap_s:
-            self._cut(seg, min(round((last.end_s + gap_s / 2) * SAMPLE_RATE_HZ), seg.heard_to))
 
     def _cut_before_unheard_tail(self, seg: _Segment) -> bool:
         """After a closing decode: when its words end well before the segment does, cut at
