@@ -203,6 +203,10 @@ class Pipeline:
         self._scheduler: asyncio.Task[None] | None = None
         self._in_flight: list[_Request] = []
         self._streams = 0  # open streams: add_stream / remove_stream
+        # Streams to offer a seat in a batch being gathered (StreamDriver._advance), and
+        # whether one is being gathered now: then no stream waits for the scheduler's hop.
+        self._joiners: set[Callable[[], None]] = set()
+        self._gathering = False
         self._closed = False
 
     # -- life cycle ------------------------------------------------------------------------
@@ -245,6 +249,15 @@ class Pipeline:
         """Streams with a driver on this pipeline right now."""
         return self._streams
 
+    def offer_seats(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` whenever a batch starts being gathered, until ``withdraw``: a stream
+        with a window ready by its own cadence joins the batch then rather than starting
+        its own later (four windows in one call cost 2.6 of one alone)."""
+        self._joiners.add(wake)
+
+    def withdraw(self, wake: Callable[[], None]) -> None:
+        self._joiners.discard(wake)
+
     def add_stream(self) -> None:
         """A stream started feeding this pipeline (``StreamDriver`` calls it)."""
         self._streams += 1
@@ -259,6 +272,8 @@ class Pipeline:
         below every session's own cadence, so each decodes as soon as its policy asks; as
         streams are added, longer hops and fuller batches keep the worker within
         ``capacity_utilization`` and every stream's lag bounded."""
+        if self._gathering:
+            return 0.0
         return self.capacity.stream_hop_s(self._streams)
 
     @property
@@ -381,15 +396,22 @@ class Pipeline:
             deadline = max(oldest, worker_free_at) + wait_s
             # Nobody else to wait for once every open stream has its window queued.
             company = min(self.config.max_batch_size, max(1, self._streams))
-            while len(self._heap) < company:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                self._changed.clear()
-                try:
-                    await asyncio.wait_for(self._changed.wait(), remaining)
-                except asyncio.TimeoutError:
-                    break
+            if len(self._heap) < company:
+                self._gathering = True
+                for wake in list(self._joiners):
+                    loop.call_soon(wake)
+            try:
+                while len(self._heap) < company:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        break
+                    self._changed.clear()
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), remaining)
+                    except asyncio.TimeoutError:
+                        break
+            finally:
+                self._gathering = False
             batch = self._take_batch()
             if not batch:
                 continue
@@ -500,6 +522,7 @@ class StreamDriver:
         self._overflowed = False
         self._registered = True
         pipeline.add_stream()
+        pipeline.offer_seats(self._take_seat)
 
     # -- input -----------------------------------------------------------------------------
     def receive_audio(self, data: bytes) -> None:
@@ -555,6 +578,15 @@ class StreamDriver:
         if self.session.done:
             self._finish(DriverOutcome.DONE)
 
+    def _take_seat(self) -> None:
+        """A batch is being gathered: queue a window now if the session has one ready."""
+        try:
+            self._advance()
+        except Exception as exc:
+            # A bug in the session, as in ``_decode``: the connection closes with 1011.
+            if not self.outcome.done():
+                self.outcome.set_exception(exc)
+
     async def _decode(self, job: DecodeJob) -> None:
         try:
             try:
@@ -597,6 +629,7 @@ class StreamDriver:
     def _unregister(self) -> None:
         if self._registered:
             self._registered = False
+            self.pipeline.withdraw(self._take_seat)
             self.pipeline.remove_stream()
 
     def _finish(self, outcome: DriverOutcome) -> None:

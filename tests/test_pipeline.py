@@ -264,6 +264,44 @@ async def test_a_decode_failure_reaches_only_the_affected_client(speech_dir: Pat
     assert max(len(b) for b in engine.batches) > 1  # the sessions did share batches
 
 
+async def test_streams_whose_turns_interleave_are_gathered_into_one_batch(
+    speech_dir: Path,
+) -> None:
+    """Four streams at 1x, their frames arriving out of phase, with a decode cost that makes
+    the scheduler's hop longer than a session's own cadence: each batch being gathered
+    offers a seat to every stream, so the windows ride together instead of in turns."""
+    clip = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")[
+        : 8 * SAMPLE_RATE_HZ
+    ]
+    engine = ScriptedEngine(call_cost_s=0.3, window_cost_s=0.1)
+    pipeline = Pipeline(PipelineConfig(max_batch_size=8))
+    await pipeline.start(lambda: engine)
+    engine.batches.clear()
+    frame_s = 0.1
+    try:
+        drivers = [
+            StreamDriver(Session(f"s{i}"), pipeline, max_pending_messages=10_000) for i in range(4)
+        ]
+        assert pipeline.stream_hop_s() > 0.3  # longer than min_new_audio_ms: 300 ms
+
+        async def feed(driver: StreamDriver, phase_s: float) -> None:
+            await asyncio.sleep(phase_s)
+            for frame in pcm_frames(clip, frame_s):
+                driver.receive_audio(frame)
+                await asyncio.sleep(frame_s)
+            driver.end()
+
+        await asyncio.gather(*(feed(d, frame_s * i / 4) for i, d in enumerate(drivers)))
+        outcomes = await asyncio.wait_for(asyncio.gather(*(d.outcome for d in drivers)), WAIT_S)
+    finally:
+        await pipeline.close()
+    assert outcomes == [DriverOutcome.DONE] * 4
+    sizes = [len(b) for b in engine.batches]
+    # Out of phase by 25 ms a frame apart, the streams would take turns in pairs at best.
+    print("SIZES", sizes)
+    assert sum(sizes) / len(sizes) >= 3.0, sizes
+
+
 async def test_a_client_that_does_not_read_overflows_its_outbox() -> None:
     engine = ScriptedEngine()
     pipeline = Pipeline()
