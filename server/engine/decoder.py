@@ -745,21 +745,7 @@ class StreamingDecoder:
         elif ratio > opts.compression_ratio_threshold:
             stop = StopReason.COMPRESSION
         if not stop.is_speech:
-            return DecodeResult(
-                tokens=(),
-                text="",
-                segments=(),
-                words=(),
-                language=row.language,
-                avg_logprob=avg_logprob,
-                no_speech_prob=no_speech_prob,
-                compression_ratio=ratio,
-                stop_reason=stop,
-                n_generated=len(generated),
-                sequence=tuple(seq),
-                n_steps=row.n_steps,
-            )
-        segments = self._segments(seq)
+            text_tokens, text = (), ""
         words: tuple[WordTiming, ...] = ()
         if opts.word_timestamps and text_tokens:
             # Probabilities are known for sampled tokens; forced ones count as certain.
@@ -776,7 +762,7 @@ class StreamingDecoder:
         return DecodeResult(
             tokens=text_tokens,
             text=text,
-            segments=segments,
+            segments=self._segments(seq) if stop.is_speech else (),
             words=words,
             language=row.language,
             avg_logprob=avg_logprob,
