@@ -62,6 +62,20 @@ def test_attention_matches_the_fused_library_kernel() -> None:
     assert np.abs(got - want).max() < 1e-5
 
 
+def test_masked_attention_matches_the_fused_library_kernel() -> None:
+    rng = np.random.default_rng(4)
+    q = mx.array(rng.normal(0, 1, (2, 6, 40, 64)).astype(np.float32))
+    k, v = (mx.array(rng.normal(0, 1, (2, 6, 90, 64)).astype(np.float32)) for _ in range(2))
+    # Causal over the last 40 keys, and the second row's first 30 keys masked (left padding).
+    mask = np.zeros((2, 1, 40, 90), dtype=np.float32)
+    mask[:, 0, np.triu(np.ones((40, 90), dtype=bool), 51)] = -np.inf
+    mask[1, 0, :, :30] = -np.inf
+    m = mx.array(mask)
+    want = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m))
+    got = np.array(cpu_kernels.attention(q, k, v, 0.125, m))
+    assert np.abs(got - want).max() < 1e-5
+
+
 def test_encoder_output_unchanged_on_real_speech(engine: Engine, speech_dir: Path) -> None:
     """The kernels change the encoder's output by float32 rounding only: the same features
     within 1e-5 of their scale on a real 10 s window (batched with a 3 s one)."""
@@ -79,3 +93,30 @@ def test_encoder_output_unchanged_on_real_speech(engine: Engine, speech_dir: Pat
     for a, b in zip(library, ours, strict=True):
         assert a.shape == b.shape
         assert np.abs(a - b).max() < 1e-5 * np.abs(a).max()
+
+
+def test_decodes_unchanged_on_real_speech(engine: Engine, speech_dir: Path) -> None:
+    """Encoder, prefill, steps and word alignment with the kernels give the library path's
+    tokens and word times, batched rows with prompts included."""
+    from server.engine_api import DecodeRequest, Window
+
+    prompt = engine.encode_text(" We spoke about printing and old books.")
+    windows = []
+    for clip, seconds in (("misc_en/jfk.wav", 6.0), ("ljspeech/LJ001-0011.wav", 3.5)):
+        audio = load_clip(speech_dir / clip)[: round(seconds * 16_000)]
+        windows.append(Window(engine.features(audio), DecodeRequest(seconds, prompt=prompt)))
+    model = engine.loaded.model
+    before = model.encoder.cpu_kernels_enabled
+    try:
+        model.use_cpu_kernels(False)
+        library = engine.decode_windows(windows)
+        model.use_cpu_kernels(True)
+        ours = engine.decode_windows(windows)
+    finally:
+        model.use_cpu_kernels(before)
+    for a, b in zip(library, ours, strict=True):
+        assert a.text.strip() and a.tokens == b.tokens and a.stop_reason == b.stop_reason
+        assert [w.word for w in a.words] == [w.word for w in b.words]
+        for x, y in zip(a.words, b.words, strict=True):
+            assert abs(x.start_s - y.start_s) <= 0.02 and abs(x.end_s - y.end_s) <= 0.02
+            assert abs(x.probability - y.probability) < 1e-3

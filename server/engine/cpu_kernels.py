@@ -95,10 +95,17 @@ def softmax(x: mx.array) -> mx.array:
     return e / mx.sum(e, axis=-1, keepdims=True)
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-    """Unmasked attention over head-major (batch, head, time, state / head) arrays; the rows
-    are normalised after multiplying by the values, on (time, 64) instead of (time, time)."""
-    e = _unnormalized_softmax((q * scale) @ k.transpose(0, 1, 3, 2))
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None = None
+) -> mx.array:
+    """Attention over head-major (batch, head, time, state / head) arrays, with an additive
+    mask (0 or -inf; every row keeps one key). The rows are normalised after multiplying by
+    the values, on (time, 64) instead of (time, time). A masked key gets weight 2^-126 of
+    the row's largest instead of 0: below float32's resolution of any row sum."""
+    scores = (q * scale) @ k.transpose(0, 1, 3, 2)
+    if mask is not None:
+        scores = scores + mask
+    e = _unnormalized_softmax(scores)
     return (e @ v) / mx.sum(e, axis=-1, keepdims=True)
 
 

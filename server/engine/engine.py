@@ -95,7 +95,7 @@ class Engine:
         self.config = config
         self.dims = loaded.dims
         model = loaded.model
-        model.encoder.use_cpu_kernels(
+        model.use_cpu_kernels(
             config.cpu_kernels and mx.default_device() == mx.cpu and loaded.dtype == "float32"
         )
         if config.quantize_bits is not None:

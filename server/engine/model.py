@@ -21,7 +21,10 @@ import numpy.typing as npt
 from server.engine import cpu_kernels
 
 Activation = Callable[[mx.array], mx.array]
-Attention = Callable[[mx.array, mx.array, mx.array], mx.array]
+Attention = Callable[[mx.array, mx.array, mx.array, mx.array | None], mx.array]
+# Below this many scores per head (queries x keys) the library's fused kernel wins: the
+# unfused path's extra dispatches cost more than its exp saves (a token step: 1 x ~20).
+CPU_ATTENTION_MIN_SCORES = 4096
 
 
 @dataclass(frozen=True)
@@ -76,26 +79,30 @@ def attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> m
     return out.transpose(0, 2, 1, 3).reshape(b, t_q, d)
 
 
-def attention_unmasked(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-    """``attention`` without a mask, by the library's fused kernel."""
-    return attention(q, k, v, None)
-
-
-def attention_cpu(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-    """``attention`` without a mask, by ``cpu_kernels`` (twice as fast on the CPU backend)."""
+def attention_cpu(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
+    """``attention`` by ``cpu_kernels`` (twice as fast on the CPU backend) where there are
+    enough scores to pay for its dispatches, by the library's kernel otherwise."""
     b, t_q, d = q.shape
-    out = cpu_kernels.attention(split_heads(q, k.shape[1]), k, v, k.shape[3] ** -0.5)
+    if t_q * k.shape[2] < CPU_ATTENTION_MIN_SCORES:
+        return attention(q, k, v, mask)
+    out = cpu_kernels.attention(split_heads(q, k.shape[1]), k, v, k.shape[3] ** -0.5, mask)
     return out.transpose(0, 2, 1, 3).reshape(b, t_q, d)
 
 
-def attention_weights(q: mx.array, k: mx.array, mask: mx.array | None) -> mx.array:
+def attention_weights(
+    q: mx.array, k: mx.array, mask: mx.array | None, softmax: Activation
+) -> mx.array:
     """Softmax attention weights (batch, head, t_q, t_k) over head-major keys; used only for
     word alignment."""
     head = k.shape[3]
     qk = (split_heads(q, k.shape[1]) @ k.transpose(0, 1, 3, 2)) * head**-0.5
     if mask is not None:
         qk = qk + mask
-    return mx.softmax(qk.astype(mx.float32), axis=-1)
+    return softmax(qk.astype(mx.float32))
+
+
+def _library_softmax(x: mx.array) -> mx.array:
+    return mx.softmax(x, axis=-1)
 
 
 def _contiguous(x: mx.array) -> mx.array:
@@ -127,17 +134,26 @@ class ResidualAttentionBlock(nn.Module):
         self.mlp1 = nn.Linear(n_state, n_mlp)
         self.mlp2 = nn.Linear(n_mlp, n_state)
         self.mlp_ln = nn.LayerNorm(n_state)
+        # Leading underscores: functions, not parameters (see ``use_cpu_kernels``).
+        self._gelu: Activation = nn.gelu
+        self._attend: Attention = attention
+        self._softmax: Activation = _library_softmax
 
-    def mlp(self, x: mx.array, gelu: Activation = nn.gelu) -> mx.array:
-        return self.mlp2(gelu(self.mlp1(self.mlp_ln(x))))
+    def use_cpu_kernels(self, enabled: bool) -> None:
+        self._gelu = cpu_kernels.gelu if enabled else nn.gelu
+        self._attend = attention_cpu if enabled else attention
+        self._softmax = cpu_kernels.softmax if enabled else _library_softmax
 
-    def encode(self, x: mx.array, gelu: Activation, attend: Attention) -> mx.array:
+    def mlp(self, x: mx.array) -> mx.array:
+        return self.mlp2(self._gelu(self.mlp1(self.mlp_ln(x))))
+
+    def encode(self, x: mx.array) -> mx.array:
         """Encoder block: full self-attention, no cache."""
         h = self.attn_ln(x)
         a = self.attn
         k, v = split_heads(a.key(h), a.n_head), split_heads(a.value(h), a.n_head)
-        x = x + a.out(attend(a.query(h), k, v))
-        return x + self.mlp(x, gelu)
+        x = x + a.out(self._attend(a.query(h), k, v, None))
+        return x + self.mlp(x)
 
     def decode(
         self,
@@ -161,9 +177,10 @@ class ResidualAttentionBlock(nn.Module):
         cache_v[:, :, offset : offset + t, :] = split_heads(a.value(h), a.n_head)
         keys = cache_k[:, :, : offset + t, :]
         values = cache_v[:, :, : offset + t, :]
-        x = x + a.out(attention(a.query(h), keys, values, self_mask))
+        x = x + a.out(self._attend(a.query(h), keys, values, self_mask))
         c = self.cross_attn
-        x = x + c.out(attention(c.query(self.cross_attn_ln(x)), cross_k, cross_v, cross_mask))
+        q = c.query(self.cross_attn_ln(x))
+        x = x + c.out(self._attend(q, cross_k, cross_v, cross_mask))
         return x + self.mlp(x), cache_k, cache_v
 
     def decode_full(
@@ -178,11 +195,11 @@ class ResidualAttentionBlock(nn.Module):
         a = self.attn
         h = self.attn_ln(x)
         k, v = split_heads(a.key(h), a.n_head), split_heads(a.value(h), a.n_head)
-        x = x + a.out(attention(a.query(h), k, v, mask))
+        x = x + a.out(self._attend(a.query(h), k, v, mask))
         c = self.cross_attn
         q = c.query(self.cross_attn_ln(x))
-        weights = attention_weights(q, cross_k, None) if want_cross_weights else None
-        x = x + c.out(attention(q, cross_k, cross_v, None))
+        weights = attention_weights(q, cross_k, None, self._softmax) if want_cross_weights else None
+        x = x + c.out(self._attend(q, cross_k, cross_v, None))
         return x + self.mlp(x), weights
 
 
@@ -199,13 +216,13 @@ class AudioEncoder(nn.Module):
         self.blocks = [ResidualAttentionBlock(n_state, n_head) for _ in range(n_layer)]
         self.ln_post = nn.LayerNorm(n_state)
         self._gelu: Activation = nn.gelu
-        self._attend: Attention = attention_unmasked
 
     def use_cpu_kernels(self, enabled: bool) -> None:
         """GELU and attention from ``cpu_kernels`` (float32 on the CPU backend) instead of
         the library's, whose ``erf`` and ``exp`` are scalar there."""
         self._gelu = cpu_kernels.gelu if enabled else nn.gelu
-        self._attend = attention_cpu if enabled else attention_unmasked
+        for block in self.blocks:
+            block.use_cpu_kernels(enabled)
 
     @property
     def cpu_kernels_enabled(self) -> bool:
@@ -220,7 +237,7 @@ class AudioEncoder(nn.Module):
             raise ValueError(f"audio context {n_ctx} exceeds {self._positional_embedding.shape[0]}")
         x = x + self._positional_embedding[:n_ctx].astype(x.dtype)
         for block in self.blocks:
-            x = block.encode(x, self._gelu, self._attend)
+            x = block.encode(x)
         return self.ln_post(x)
 
 
@@ -237,6 +254,12 @@ class TextDecoder(nn.Module):
         # streams memory in order, which halves the per-token cost of the output projection on
         # CPU (it reads the whole 51864 x state matrix for every token).
         self._projection: mx.array | None = None
+
+    def use_cpu_kernels(self, enabled: bool) -> None:
+        """As ``AudioEncoder.use_cpu_kernels``; a token step keeps the library's attention
+        (see ``CPU_ATTENTION_MIN_SCORES``), the prefill and the alignment pass use ours."""
+        for block in self.blocks:
+            block.use_cpu_kernels(enabled)
 
     def prepare_projection(self) -> None:
         """Make the contiguous output projection (skip for quantized embeddings)."""
@@ -279,3 +302,7 @@ class Whisper(nn.Module):
         self.decoder = TextDecoder(
             dims.n_vocab, dims.n_text_ctx, dims.n_text_state, dims.n_text_head, dims.n_text_layer
         )
+
+    def use_cpu_kernels(self, enabled: bool) -> None:
+        self.encoder.use_cpu_kernels(enabled)
+        self.decoder.use_cpu_kernels(enabled)
