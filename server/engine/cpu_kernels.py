@@ -2,9 +2,9 @@
 
 MLX's CPU ``exp``, ``erf`` and ``tanh`` run at about 12-25 ns an element on these x86_64
 machines (scalar library calls), while a fused chain of multiply-adds runs at about 1-2 ns.
-The encoder evaluates GELU over every (frame, 1536) activation (the decoder's prefill over
-every (token, 1536) one) and softmax over every
-(head, frame, frame) score, so on a 10 s window those two functions took 150 of its 250 ms
+The encoder evaluates GELU over every (frame, 1536) activation and softmax over every
+(head, frame, frame) score (the decoder's prefill and word alignment over every token), so
+on a 10 s window those two functions took 150 of the encoder's 250 ms
 (bench/results/decoder.json has the parts). These versions agree with the exact functions to
 a few float32 ulps, which ``tests/test_cpu_kernels.py`` checks against ``math.erf`` and
 float64 ``exp``.
