@@ -74,6 +74,7 @@ class SweepConfig:
     tail_s: float = 3.0  # silence after each stream, so its last utterance ends in-stream
     peer: bool = True
     output_name: str = "capacity"  # bench/results/{output_name}.json and .png
+    decode_lanes: int | None = None  # our server's --decode-lanes; None: its default (auto)
 
     def __post_init__(self) -> None:
         if not self.counts or min(self.counts) < 1:
@@ -288,9 +289,10 @@ def peer_figures(
 class Contender:
     """One server of the sweep: how to start it and how to speak to it."""
 
-    def __init__(self, name: str, peer: PeerConfig | None) -> None:
+    def __init__(self, name: str, peer: PeerConfig | None, decode_lanes: int | None = None) -> None:
         self.name = name
         self.peer = peer
+        self.decode_lanes = decode_lanes
         self.port = free_port()
 
     def process(self) -> ServerProcess:
@@ -300,6 +302,7 @@ class Contender:
                 os.path.join(sys.prefix, "bin", "whisperwire-server"),
                 *("--port", str(self.port), "--model", "tiny.en", "--log-level", "info"),
                 "--no-capacity-limit",  # the sweep measures past the estimate
+                *(() if self.decode_lanes is None else ("--decode-lanes", str(self.decode_lanes))),
             ]
             ready_url = f"http://127.0.0.1:{self.port}/readyz"
             return ServerProcess(self.name, cmd, ready=lambda: http_ok(ready_url), log_path=log)
@@ -343,6 +346,7 @@ class Contender:
             "whisperwire_decode_batch_size_sum",
             "whisperwire_decode_batch_size_count",
             "whisperwire_capacity_streams",
+            "whisperwire_decode_lanes",
         )
         return {name: metric_value(page, name) for name in names} | {"refused": refused}
 
@@ -399,7 +403,17 @@ async def run_count(
     if before:
         delta = {k: after[k] - before[k] for k in before}
         entry |= {
-            "decode_busy": round(delta["whisperwire_decode_seconds_total"] / wall_s, 3),
+            # Busy as a share of all lanes (one core each); lane_seconds_per_s is the sum.
+            "decode_lanes": int(after["whisperwire_decode_lanes"]),
+            "decode_busy": round(
+                delta["whisperwire_decode_seconds_total"]
+                / wall_s
+                / max(1.0, after["whisperwire_decode_lanes"]),
+                3,
+            ),
+            "decode_lane_seconds_per_s": round(
+                delta["whisperwire_decode_seconds_total"] / wall_s, 3
+            ),
             "mean_batch": round(
                 delta["whisperwire_decode_batch_size_sum"]
                 / max(1.0, delta["whisperwire_decode_batch_size_count"]),
@@ -535,7 +549,7 @@ async def run(config: SweepConfig) -> dict[str, Any]:
         "loadavg_start": os.getloadavg(),
         "servers": {},
     }
-    contenders = [Contender("ours", None)]
+    contenders = [Contender("ours", None, config.decode_lanes)]
     if config.peer:
         if (PEER_VENV / "bin" / "python").is_file():
             peer = PeerConfig(model_path=default_model_path())
@@ -559,6 +573,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="speech per client")
     parser.add_argument("--no-peer", action="store_true", help="measure our server only")
     parser.add_argument(
+        "--decode-lanes", type=int, default=None, help="our server's lanes (default: its auto)"
+    )
+    parser.add_argument(
         "--output", default="capacity", help="results name in bench/results (default %(default)s)"
     )
     args = parser.parse_args(argv)
@@ -568,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds=args.seconds,
         peer=not args.no_peer,
         output_name=args.output,
+        decode_lanes=args.decode_lanes,
     )
     started = time.perf_counter()
     results = asyncio.run(run(config))

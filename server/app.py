@@ -7,9 +7,9 @@ answered before any handshake (``routes.py``, with the API key and Origin checks
 ``access.py``).
 
 Admission: a new stream is refused (``server_full``, 1013) when ``max_sessions`` are open, or
-when as many are open as the decode worker is measured to keep in real time
+when as many are open as the decode lanes are measured to keep in real time
 (``Pipeline.capacity``; ``ServerConfig.capacity_limit``). The check reads the model's current
-estimate and never waits on the decode worker; ``/readyz`` says 503 while the server is full.
+estimate and never waits on the decode lanes; ``/readyz`` says 503 while the server is full.
 
 The server keeps only the set of open connections, to finish them on shutdown, to count them
 for admission and to report the largest lag; everything about one client lives on its
@@ -155,13 +155,13 @@ class WhisperwireServer:
     @property
     def active_sessions(self) -> int:
         """Streaming sessions open right now and not yet done: a connection whose session
-        sent ``done`` is only closing, and its stream no longer costs the decode worker (a
+        sent ``done`` is only closing, and its stream no longer costs the decode lanes (a
         client that reconnects at once must not find its own last session in the way)."""
         return sum(1 for conn in self._connections if not conn.done)
 
     @property
     def capacity_streams(self) -> int:
-        """Streams the decode worker is estimated to keep in real time, at most
+        """Streams the decode lanes are estimated to keep in real time, at most
         ``max_sessions`` (reported even with ``capacity_limit`` off)."""
         return self.pipeline.capacity.streams(limit=self.config.max_sessions)
 

@@ -1,7 +1,7 @@
-"""How many real-time streams the decode worker carries, from what its engine calls cost.
+"""How many real-time streams the decode lanes carry, from what their engine calls cost.
 
-Pure: no asyncio, no MLX. The pipeline feeds it every engine call the decode worker makes;
-the app asks it how many streams to admit.
+Pure: no asyncio, no MLX. The pipeline feeds it every engine call the lanes make; the app
+asks it how many streams to admit.
 
 **Cost model.** One engine call on ``n`` windows holding ``S`` seconds of audio in all is
 taken to cost
@@ -24,12 +24,13 @@ by thousands of single-window calls when the load is gone, or the model would fo
 batching buys.
 
 **Capacity.** A stream that keeps up is decoded once per round: its next window is queued as
-soon as its last result is back. With ``N`` streams a round is ``N`` windows of the typical
-length (the median of the recent windows), decoded in ``ceil(N / max_batch_size)`` engine
-calls. The capacity is the largest ``N`` whose round fits in ``hop_s * utilization``: ``hop_s``
-is the longest a stream may wait between two decodes, ``utilization`` the share of it the
-worker may plan to be busy (the rest absorbs bursts, loop-guard retries and other work on the
-same cores).
+soon as its last result is back. With ``N`` streams on ``lanes`` lanes, each lane's round is
+``ceil(N / lanes)`` windows of the typical length (the median of the recent windows), decoded
+in engine calls of at most ``max_batch_size``; the lanes run their rounds side by side (each
+is a core of its own, and its calls are timed as they ran, next to the others). The capacity
+is the largest ``N`` whose lane round fits in ``hop_s * utilization``: ``hop_s`` is the
+longest a stream may wait between two decodes, ``utilization`` the share of it a lane may plan
+to be busy (the rest absorbs bursts, loop-guard retries and other work on the same cores).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ _NEGATIVE_TOLERANCE = 1e-12
 
 @dataclass(frozen=True)
 class BatchCost:
-    """One engine call as the decode worker timed it."""
+    """One engine call as a decode lane timed it."""
 
     windows: int
     audio_s: float  # audio in all its windows, seconds
@@ -142,7 +143,7 @@ class CapacityModel:
     """The recent engine calls, the cost fitted to them, and the stream count it implies.
 
     ``seed`` takes calls timed at startup on synthetic windows, ``observe`` the calls the
-    decode worker runs for clients. The synthetic windows are low-level noise, which decodes
+    lanes run for clients. The synthetic windows are low-level noise, which decodes
     fewer tokens than speech (9 against 19 for a 4 s window of tiny.en), so the seeds are
     trusted for the shape of the cost (what batching buys) and the clients' calls for its
     level: the seeds stay in the fit as a prior, scaled by how much dearer the clients' calls
@@ -172,6 +173,7 @@ class CapacityModel:
             raise ValueError(f"default_window_s must be > 0; got {default_window_s}")
         self.hop_s = hop_s
         self.utilization = utilization
+        self.lanes = 1  # decode lanes working side by side (the pipeline keeps it current)
         self.max_batch_size = max_batch_size
         self.default_window_s = default_window_s  # the typical window before any client's
         self._calls_per_size = calls_per_size
@@ -194,7 +196,7 @@ class CapacityModel:
         self._stale = True
 
     def observe(self, window_audio_s: Sequence[float], cost_s: float) -> None:
-        """A call the decode worker ran for clients, every window decoded by the one call."""
+        """A call a lane ran for clients, every window decoded by the one call."""
         call = _call(window_audio_s, cost_s)
         if call.windows not in self._by_size:
             self._by_size[call.windows] = deque(maxlen=self._calls_per_size)
@@ -234,7 +236,7 @@ class CapacityModel:
         return statistics.median(self._windows) if self._windows else self.default_window_s
 
     def streams(self, limit: int) -> int:
-        """Streams the worker keeps within the hop, between 1 and ``limit``; ``limit`` while
+        """Streams the lanes keep within the hop, between 1 and ``limit``; ``limit`` while
         nothing has been measured.
 
         Never below 1: a machine too slow to keep even one stream within the hop still serves
@@ -243,20 +245,21 @@ class CapacityModel:
         fit = self.fit
         if fit is None:
             return limit
-        found = streams_within(
+        per_lane = streams_within(
             fit, self.budget_s, self.typical_window_s, self.max_batch_size, limit
         )
-        return max(1, found)
+        return max(1, min(limit, per_lane * self.lanes))
 
     def stream_hop_s(self, streams: int) -> float:
         """How much new audio each of ``streams`` streams should gather between two decodes
-        so that the worker stays within ``utilization``: a round of them all, as measured,
-        divided by the share of time the worker may be busy. 0 before anything was measured
-        (each stream then decodes at its own pace)."""
+        so that the lanes stay within ``utilization``: a lane's round of its share of them,
+        as measured, divided by the share of time a lane may be busy. 0 before anything was
+        measured (each stream then decodes at its own pace)."""
         fit = self.fit
         if fit is None or streams < 1:
             return 0.0
-        round_s = fit.round_s(streams, self.typical_window_s, self.max_batch_size)
+        share = -(-streams // self.lanes)
+        round_s = fit.round_s(share, self.typical_window_s, self.max_batch_size)
         return round_s / self.utilization
 
     def describe(self) -> str:

@@ -2,7 +2,8 @@
 
     whisperwire-server [--host 127.0.0.1] [--port 8765] [--model tiny.en] [--dtype float32]
                        [--quantize-bits 4|8] [--min-context-s 3] [--max-batch-size 8]
-                       [--batch-wait-ms 5] [--max-sessions 32] [--no-capacity-limit]
+                       [--batch-wait-ms 5] [--decode-lanes auto]
+                       [--max-sessions 32] [--no-capacity-limit]
                        [--capacity-hop-s 1] [--capacity-utilization 0.8]
                        [--max-session-s 14400] [--idle-timeout-s 30] [--api-key KEY]
                        [--allowed-origin URL ...]
@@ -17,17 +18,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import functools
 import logging
 import os
 import ssl
 import sys
 from collections.abc import Coroutine
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import PipelineConfig, ServerConfig
 from .engine.store import DEFAULT_MODEL, available_models
 from .errors import ModelError
+
+if TYPE_CHECKING:
+    from .engine.engine import Engine, EngineConfig
 
 logger = logging.getLogger("server.cli")
 
@@ -89,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=p.max_batch_size,
         help="windows decoded together (default %(default)s)",
+    )
+    batching.add_argument(
+        "--decode-lanes",
+        type=_lanes,
+        default=None,
+        metavar="N|auto",
+        help="engine calls run side by side: this process and N-1 child processes, each "
+        "with its own copy of the model (default auto: one per core on a CPU, one on a GPU)",
     )
     batching.add_argument(
         "--batch-wait-ms",
@@ -202,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             tls_key_path=args.tls_key,
         )
         pipeline = PipelineConfig(
+            decode_lanes=args.decode_lanes or 1,
             max_batch_size=args.max_batch_size,
             batch_wait_ms=args.batch_wait_ms,
             capacity_hop_s=args.capacity_hop_s,
@@ -223,16 +237,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # Imported here: the engine pulls in MLX, which --help does not need.
     from .app import run_server
-    from .engine.blas import check_blas
-    from .engine.engine import Engine
+    from .engine.engine import default_decode_lanes
 
-    def load_engine() -> Engine:
-        # Runs on the decode thread, which owns MLX from here on.
-        check_blas()
-        return Engine.load(engine_config)
-
+    if args.decode_lanes is None:
+        pipeline = replace(pipeline, decode_lanes=default_decode_lanes())
     try:
-        _run(run_server(load_engine, server=server, pipeline=pipeline))
+        _run(
+            run_server(
+                functools.partial(load_engine, engine_config), server=server, pipeline=pipeline
+            )
+        )
     except ModelError as exc:
         return _fail(
             f"cannot load model: {exc}. Fix: pass --model with a registry name or a folder "
@@ -248,6 +262,28 @@ def main(argv: list[str] | None = None) -> int:
         # A second Ctrl-C while shutting down: leave without waiting for the sessions.
         return 130
     return EXIT_OK
+
+
+def load_engine(config: EngineConfig) -> Engine:
+    """Load the model for one decode lane; runs on the lane (a thread, or a child process:
+    so it is a module-level function, which pickles)."""
+    from .engine.blas import check_blas
+    from .engine.engine import Engine
+
+    check_blas()
+    return Engine.load(config)
+
+
+def _lanes(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        lanes = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto; got {value!r}") from None
+    if lanes < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {lanes}")
+    return lanes
 
 
 def run() -> None:

@@ -73,10 +73,17 @@ class StreamingConfig:
             raise ValueError("max_frame_bytes must be > 0")
 
 
+MAX_DECODE_LANES = 64  # each lane holds a copy of the model
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
-    """The decode stage: how windows from many sessions are batched for the one MLX thread."""
+    """The decode stage: how windows from many sessions are batched onto the decode lanes."""
 
+    # Engine calls that run at once: this process's decode thread, and a child process with
+    # its own model for each further lane. On a CPU one per core (``server.cli`` sets it so
+    # by default); on a GPU one.
+    decode_lanes: int = 1
     max_batch_size: int = 8  # windows decoded together in one engine call
     batch_wait_ms: float = 30.0  # how long the stalest window may wait for other streams' ones
     feature_workers: int = 2  # threads computing log-mel (NumPy releases the GIL)
@@ -85,6 +92,10 @@ class PipelineConfig:
     capacity_utilization: float = 0.8  # share of that hop the decode worker may plan to be busy
 
     def __post_init__(self) -> None:
+        if not 1 <= self.decode_lanes <= MAX_DECODE_LANES:
+            raise ValueError(
+                f"decode_lanes must be in [1, {MAX_DECODE_LANES}]; got {self.decode_lanes}"
+            )
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1; got {self.max_batch_size}")
         if not 0 <= self.batch_wait_ms <= 1000:

@@ -194,10 +194,15 @@ class Metrics:
             BATCH_SIZE_BUCKETS,
         )
         self.queue_depth = Gauge(
-            "whisperwire_decode_queue_depth", "Windows waiting for the decode worker"
+            "whisperwire_decode_queue_depth", "Windows waiting for a decode lane"
+        )
+        self.decode_lanes = Gauge(
+            "whisperwire_decode_lanes",
+            "Decode lanes able to decode now (each runs one engine call at a time, on a core)",
         )
         self.decode_s = Counter(
-            "whisperwire_decode_seconds_total", "Wall time the decode worker spent in the engine"
+            "whisperwire_decode_seconds_total",
+            "Wall time the decode lanes spent in the engine, summed over lanes",
         )
         self.decoded_audio_s = Counter(
             "whisperwire_decoded_audio_seconds_total",
@@ -216,7 +221,7 @@ class Metrics:
         )
         self.capacity_streams = Gauge(
             "whisperwire_capacity_streams",
-            "Streams the decode worker is estimated to keep in real time (at most max_sessions)",
+            "Streams the decode lanes are estimated to keep in real time (at most max_sessions)",
         )
         self.capacity_headroom_streams = Gauge(
             "whisperwire_capacity_headroom_streams",
@@ -235,6 +240,7 @@ class Metrics:
             self.decode_latency_s,
             self.batch_size,
             self.queue_depth,
+            self.decode_lanes,
             self.decode_s,
             self.decoded_audio_s,
             self.realtime_factor,

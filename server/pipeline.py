@@ -3,23 +3,27 @@
     ingest (one task per connection, app.py)       frames -> Session -> DecodeJob
       -> features (ThreadPoolExecutor, NumPy)      job.audio -> log-mel Window
       -> scheduler (asyncio task, bounded heap)    stalest windows first, batched
-      -> decode worker (one thread, owns MLX)      Engine.decode_windows(batch)
+      -> decode lanes (a thread; child processes)  Engine.decode_windows(batch), one per lane
       -> back on the loop (call_soon_threadsafe)   Session.receive_result -> messages
 
 ``Pipeline`` is shared by all connections: it owns the engine, the feature threads, the
-scheduler and the decode worker. ``StreamDriver`` belongs to one connection: it takes the
-session's next job, sends it through the pipeline, folds the result back into the session and
-queues the session's messages in a bounded outbox for the connection to send.
+scheduler and the decode lanes (``server.lanes``): this process's decode thread, and one
+child process per further lane, so that each core decodes a batch of its own.
+``StreamDriver`` belongs to one connection: it takes the session's next job, sends it
+through the pipeline, folds the result back into the session and queues the session's
+messages in a bounded outbox for the connection to send.
 
 Back-pressure and bounds: a session has at most one job in flight, the scheduler's queue holds
 at most ``PipelineConfig.max_queued_windows`` windows (``enqueue`` waits for a free slot), and
 a connection's outbox holds at most ``max_pending_messages`` messages (more means the client
 does not read; the driver reports ``DriverOutcome.OVERFLOW`` and the connection drops it).
 
-The event loop never waits on MLX: it only waits on futures the decode worker settles through
-``loop.call_soon_threadsafe``. Nothing sleeps to poll; shutdown (``Pipeline.close``) is awaited.
+The event loop never waits on MLX: it only waits on futures the lanes settle through
+``loop.call_soon_threadsafe``. A lane whose process dies costs no audio: its windows go back
+to the queue for another lane, and a new child replaces it. Nothing sleeps to poll; shutdown
+(``Pipeline.close``) is awaited.
 
-Capacity: every engine call the worker makes for clients is timed into ``Pipeline.capacity``
+Capacity: every engine call the lanes make for clients is timed into ``Pipeline.capacity``
 (``server.capacity``), which the app asks how many streams to admit. ``start`` seeds it with a
 few timed calls on synthetic windows, so the estimate exists before the first client.
 """
@@ -32,13 +36,11 @@ import functools
 import heapq
 import itertools
 import logging
-import queue
-import threading
+import operator
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -48,6 +50,8 @@ from .config import PipelineConfig
 from .engine_api import DecodeRequest, DecodeResult, SpeechEngine, Window
 from .errors import DecodeError
 from .formats import SAMPLE_RATE_HZ
+from .lanes import LaneLost, ProcessLane, ThreadLane
+from .lanes import settle_future as _settle
 from .messages import EndMessage, ErrorMessage, ServerMessage
 from .metrics import Metrics
 from .session import DecodeJob, Session
@@ -55,91 +59,6 @@ from .session import DecodeJob, Session
 logger = logging.getLogger("server.pipeline")
 
 Float32Array = npt.NDArray[np.float32]
-T = TypeVar("T")
-
-
-# --------------------------------------------------------------------------- decode worker
-
-
-@dataclass(eq=False)
-class _Call(Generic[T]):
-    fn: Callable[[], T]
-    future: asyncio.Future[T]
-
-
-def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
-    # Runs on the loop. The awaiting coroutine may have been cancelled meanwhile.
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(value)
-
-
-class DecodeWorker:
-    """The one thread that runs MLX. ``call`` hands it a function and awaits the result.
-
-    MLX is not thread-safe, so the model is loaded, warmed up and run on this thread only.
-    The thread blocks on its inbox between calls (no polling) and posts each outcome back to
-    the event loop with ``call_soon_threadsafe``.
-    """
-
-    def __init__(self, name: str = "whisperwire-decode") -> None:
-        self._inbox: queue.SimpleQueue[_Call[Any] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopped: asyncio.Future[None] | None = None
-
-    def start(self) -> None:
-        """Start the thread; call from the event loop that will await ``call``."""
-        if self._loop is not None:
-            raise RuntimeError("the decode worker was already started")
-        self._loop = asyncio.get_running_loop()
-        self._stopped = self._loop.create_future()
-        self._thread.start()
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn()`` on the worker thread; its exception, if any, is raised here."""
-        if self._loop is None or self._stopped is None or self._stopped.done():
-            raise RuntimeError("the decode worker is not running")
-        future: asyncio.Future[T] = self._loop.create_future()
-        self._inbox.put(_Call(fn, future))
-        return await future
-
-    async def stop(self) -> None:
-        """Let the thread finish its current call, then end it; awaits the thread's exit."""
-        if self._loop is None or self._stopped is None:
-            return
-        self._inbox.put(None)
-        await asyncio.shield(self._stopped)
-        self._thread.join()  # the thread has posted its last callback; this returns at once
-
-    def _post(self, future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(_settle, future, value, error)
-        except RuntimeError:
-            # The loop is closed: nobody is left to hear about this call.
-            logger.debug("decode worker result dropped: event loop closed")
-
-    def _run(self) -> None:
-        assert self._stopped is not None
-        try:
-            while (call := self._inbox.get()) is not None:
-                try:
-                    value = call.fn()
-                except Exception as exc:  # handed to the awaiting coroutine, which decides
-                    self._post(call.future, None, exc)
-                else:
-                    self._post(call.future, value, None)
-                del call  # drop references to windows and results before sleeping
-        finally:
-            self._post(self._stopped, None, None)
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -152,6 +71,7 @@ class _Request:
     future: asyncio.Future[DecodeResult]
     queued_at: float  # loop.time() when it entered the queue
     queued: bool = True  # still in the heap
+    lost_lanes: int = 0  # lanes that died while decoding it
 
 
 _Outcome = DecodeResult | Exception
@@ -159,11 +79,22 @@ _Outcome = DecodeResult | Exception
 
 @dataclass(frozen=True)
 class _BatchRun:
-    """What the decode worker did with one batch."""
+    """What a lane did with one batch."""
 
     outcomes: list[_Outcome]  # one per window: its result or its error
     elapsed_s: float  # wall time in the engine, retries included
     whole: bool  # one engine call decoded every window: elapsed_s is that call's cost
+
+
+@dataclass(eq=False)
+class _LaneSlot:
+    """A lane and what the scheduler knows about it."""
+
+    lane: ThreadLane | ProcessLane
+    index: int
+    busy: bool = False
+    free_at: float = 0.0  # loop.time() when its last call returned
+    reviving: bool = False  # a dead process lane being replaced
 
 
 # Startup calibration of the capacity model: (windows, seconds of audio each) per timed call,
@@ -171,13 +102,17 @@ class _BatchRun:
 # tell the per-call, per-window and per-audio-second costs apart.
 _CALIBRATION_SHAPES = ((1, 1.0), (1, 2.0), (4, 1.0))
 _CALIBRATION_NOISE_LEVEL = 0.01  # faint noise, like Engine.warmup's
+# A window in flight on lanes that died this many times fails instead of going round again:
+# it may be what kills them.
+_MAX_LOST_LANES = 2
+_REVIVE_BACKOFF_S = (1.0, 5.0, 30.0)  # between attempts to replace a dead process lane
 
 
 class Pipeline:
-    """Features, batching scheduler and decode worker, shared by every connection.
+    """Features, batching scheduler and decode lanes, shared by every connection.
 
-    Life cycle: ``await start(load_engine)`` (loads and warms the model on the decode thread),
-    then any number of ``decode`` calls, then ``await close()``.
+    Life cycle: ``await start(load_engine)`` (loads and warms the model on every lane), then
+    any number of ``decode`` calls, then ``await close()``.
     """
 
     def __init__(
@@ -191,7 +126,8 @@ class Pipeline:
             max_batch_size=self.config.max_batch_size,
         )
         self._engine: SpeechEngine | None = None
-        self._worker = DecodeWorker()
+        self._load_engine: Callable[[], SpeechEngine] | None = None
+        self._lanes: list[_LaneSlot] = []
         self._features_pool = ThreadPoolExecutor(
             max_workers=self.config.feature_workers, thread_name_prefix="whisperwire-features"
         )
@@ -201,7 +137,8 @@ class Pipeline:
         self._slots = asyncio.Semaphore(self.config.max_queued_windows)
         self._changed = asyncio.Event()
         self._scheduler: asyncio.Task[None] | None = None
-        self._in_flight: list[_Request] = []
+        self._in_flight: set[_Request] = set()
+        self._runs: set[asyncio.Task[None]] = set()  # batches on lanes, and lane revivals
         self._streams = 0  # open streams: add_stream / remove_stream
         # Streams to offer a seat in a batch being gathered (StreamDriver._advance), and
         # whether one is being gathered now: then no stream waits for the scheduler's hop.
@@ -213,22 +150,39 @@ class Pipeline:
     async def start(
         self, load_engine: Callable[[], SpeechEngine], *, warmup: bool = True
     ) -> SpeechEngine:
-        """Load the engine on the decode thread, warm it up and seed the capacity model there,
-        and start scheduling.
+        """Load the engine on every lane (``PipelineConfig.decode_lanes``: this process's
+        decode thread, and child processes for the others), warm each up, seed the capacity
+        model, and start scheduling.
 
         Raises whatever ``load_engine`` raises (``ModelError`` for a model that cannot be
-        loaded); call ``close`` afterwards either way. Without ``warmup`` the capacity model
-        waits for the clients' first calls.
+        loaded; ``ValueError`` if it does not pickle and more than one lane is asked for);
+        call ``close`` afterwards either way. Without ``warmup`` the capacity model waits for
+        the clients' first calls.
         """
         if self._closed:
             raise RuntimeError("the pipeline is closed")
-        self._worker.start()
-        engine = await self._worker.call(load_engine)
+        self._load_engine = load_engine
+        home = ThreadLane()
+        self._lanes = [_LaneSlot(home, 0)]
+        others = [ProcessLane(f"whisperwire-lane-{i}") for i in range(1, self.config.decode_lanes)]
+        self._lanes += [_LaneSlot(lane, i) for i, lane in enumerate(others, start=1)]
+        # The children load while this process does: a second lane costs little startup time.
+        children = asyncio.gather(*(lane.load(load_engine) for lane in others))
+        try:
+            engine = await home.load(load_engine)
+        finally:
+            await asyncio.wait({children})  # every child answered (or died) before we go on
+            failure = children.exception()
+        if failure is not None:
+            raise failure
         if warmup:
-            seconds = await self._worker.call(engine.warmup)
-            logger.info("warmed up %s in %.2f s", engine.name, seconds)
-            await self._calibrate(engine)
+            spent = await asyncio.gather(
+                *(slot.lane.call(operator.methodcaller("warmup")) for slot in self._lanes)
+            )
+            logger.info("warmed up %s on %d lane(s) in %.2f s", engine.name, len(spent), max(spent))
+            await self._calibrate(home)
         self._engine = engine
+        self._update_lanes()
         self._scheduler = asyncio.create_task(self._schedule(), name="whisperwire-scheduler")
         self.metrics.ready.set(1)
         return engine
@@ -240,9 +194,20 @@ class Pipeline:
 
     @property
     def engine(self) -> SpeechEngine:
+        """The engine of this process's lane (features, text, model shape)."""
         if self._engine is None:
             raise RuntimeError("the pipeline has no engine yet; await start() first")
         return self._engine
+
+    @property
+    def lanes(self) -> int:
+        """Lanes able to decode now (a dead process lane does not count while replaced)."""
+        return sum(slot.lane.alive for slot in self._lanes)
+
+    @property
+    def process_lanes(self) -> list[ProcessLane]:
+        """The child-process lanes (tests kill one to see the pipeline carry on)."""
+        return [s.lane for s in self._lanes if isinstance(s.lane, ProcessLane)]
 
     @property
     def streams(self) -> int:
@@ -270,7 +235,7 @@ class Pipeline:
         """The least new audio a stream gathers before its next decode, from the measured
         decode cost of a round of every open stream (``CapacityModel.stream_hop_s``): at light load
         below every session's own cadence, so each decodes as soon as its policy asks; as
-        streams are added, longer hops and fuller batches keep the worker within
+        streams are added, longer hops and fuller batches keep the lanes within
         ``capacity_utilization`` and every stream's lag bounded."""
         if self._gathering:
             return 0.0
@@ -278,44 +243,57 @@ class Pipeline:
 
     @property
     def queued(self) -> int:
-        """Windows waiting for the decode worker."""
+        """Windows waiting for a lane."""
         return len(self._heap)
 
     async def release_memory(self) -> None:
-        """Give back what a burst of sessions took (batch-sized caches, freed heap); run it
-        when no session is open. Queued behind any decode already on the worker."""
+        """Give back what a burst of sessions took (batch-sized caches, freed heap) on every
+        lane; run it when no session is open. Queued behind any decode already on a lane."""
         if self._closed or self._engine is None:
             return
-        await self._worker.call(self._engine.release_memory)
+        live = [slot.lane for slot in self._lanes if slot.lane.alive]
+        results = await asyncio.gather(
+            *(lane.call(operator.methodcaller("release_memory")) for lane in live),
+            return_exceptions=True,
+        )
+        for lane, result in zip(live, results, strict=True):
+            if isinstance(result, Exception):
+                logger.warning("lane %s could not release memory: %s", lane.name, result)
 
     async def close(self) -> None:
-        """Stop scheduling, fail what is still queued, and end the worker thread (awaited)."""
+        """Stop scheduling, fail what is still queued or in flight, and stop every lane."""
         if self._closed:
             return
         self._closed = True
         self.metrics.ready.set(0)
+        # Before anything is awaited: a lane's result arriving meanwhile would be delivered.
+        # A lane finishes the call it is in (its result is dropped), then stops.
         if self._scheduler is not None:
             self._scheduler.cancel()
-            await asyncio.wait({self._scheduler})
-        stranded = [r for _, _, r in self._heap] + self._in_flight
+        for task in self._runs:
+            task.cancel()
+        stranded = [r for _, _, r in self._heap] + list(self._in_flight)
         self._heap.clear()
-        self._in_flight = []
+        self._in_flight.clear()
         for request in stranded:
             request.queued = False
             _settle(request.future, None, DecodeError("the server is shutting down"))
         self.metrics.queue_depth.set(0)
-        await self._worker.stop()
+        pending = set(self._runs) | ({self._scheduler} if self._scheduler else set())
+        if pending:
+            await asyncio.wait(pending)
+        await asyncio.gather(*(slot.lane.stop() for slot in self._lanes))
         # Nothing is queued on the pool any more: every caller awaited its features.
         self._features_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _calibrate(self, engine: SpeechEngine) -> None:
+    async def _calibrate(self, lane: ThreadLane) -> None:
         """Time a few engine calls on noise windows into the capacity model (after warmup:
-        first-call costs would inflate them)."""
+        first-call costs would inflate them). The lanes are alike; one is timed."""
         window_s = self.capacity.typical_window_s
         for windows, multiple in _CALIBRATION_SHAPES:
             size = min(windows, self.config.max_batch_size)
-            run = await self._worker.call(
-                functools.partial(_calibration_run, engine, size, window_s * multiple)
+            run = await lane.call(
+                functools.partial(_calibration_run, windows=size, audio_s=window_s * multiple)
             )
             if not run.whole:
                 logger.warning(
@@ -327,6 +305,11 @@ class Pipeline:
             self.capacity.seed([window_s * multiple] * size, run.elapsed_s)
         logger.info("capacity model: %s", self.capacity.describe())
 
+    def _update_lanes(self) -> None:
+        lanes = self.lanes
+        self.capacity.lanes = max(1, lanes)
+        self.metrics.decode_lanes.set(lanes)
+
     # -- stages ----------------------------------------------------------------------------
     async def features(self, job: DecodeJob) -> Window:
         """Stage 2: the job's log-mel, computed in the feature thread pool."""
@@ -336,7 +319,7 @@ class Pipeline:
         return Window(mel, job.request)
 
     async def enqueue(self, job: DecodeJob, window: Window) -> asyncio.Future[DecodeResult]:
-        """Stage 3: queue a window for the decode worker; waits while the queue is full.
+        """Stage 3: queue a window for the lanes; waits while the queue is full.
 
         Returns the future of its result. Cancelling that future takes the window out of the
         queue if it is still waiting.
@@ -348,9 +331,7 @@ class Pipeline:
         future: asyncio.Future[DecodeResult] = loop.create_future()
         request = _Request(job, window, future, loop.time())
         future.add_done_callback(functools.partial(self._forget, request))
-        heapq.heappush(self._heap, (job.created_at, next(self._sequence), request))
-        self.metrics.queue_depth.set(len(self._heap))
-        self._changed.set()
+        self._push(request)
         return future
 
     async def decode(self, job: DecodeJob) -> DecodeResult:
@@ -360,6 +341,12 @@ class Pipeline:
         return await future
 
     # -- scheduling ------------------------------------------------------------------------
+    def _push(self, request: _Request) -> None:
+        heapq.heappush(self._heap, (request.job.created_at, next(self._sequence), request))
+        request.queued = True
+        self.metrics.queue_depth.set(len(self._heap))
+        self._changed.set()
+
     def _forget(self, request: _Request, future: asyncio.Future[DecodeResult]) -> None:
         # A cancelled request (its client left) gives its queue slot back.
         if request.queued and future.cancelled():
@@ -369,9 +356,9 @@ class Pipeline:
             self._slots.release()
             self.metrics.queue_depth.set(len(self._heap))
 
-    def _take_batch(self) -> list[_Request]:
+    def _take_batch(self, limit: int) -> list[_Request]:
         batch: list[_Request] = []
-        while self._heap and len(batch) < self.config.max_batch_size:
+        while self._heap and len(batch) < limit:
             request = heapq.heappop(self._heap)[2]
             request.queued = False
             self._slots.release()
@@ -379,23 +366,40 @@ class Pipeline:
         self.metrics.queue_depth.set(len(self._heap))
         return batch
 
+    def _idle_lanes(self) -> list[_LaneSlot]:
+        return [s for s in self._lanes if not s.busy and s.lane.alive]
+
+    async def _wait_change(self, timeout_s: float | None = None) -> bool:
+        """Wait for a window or a free lane; False when ``timeout_s`` passed first."""
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
     async def _schedule(self) -> None:
         loop = asyncio.get_running_loop()
         wait_s = self.config.batch_wait_ms / 1000.0
-        engine = self.engine
-        worker_free_at = loop.time()
         while True:
-            while not self._heap:
-                self._changed.clear()
-                await self._changed.wait()
+            while not (self._heap and self._idle_lanes()):
+                await self._wait_change()
+            idle = self._idle_lanes()
+            slot = idle[0]  # this process's lane first: a lone stream pays no pipe
             # Windows arriving within batch_wait_ms of the oldest waiting one join its batch.
-            # The wait also runs from the moment the worker became free: the sessions it just
+            # The wait also runs from the moment the lane became free: the sessions it just
             # served are about to queue their next windows (a result, then features), and
             # without it streams that take turns would never share a batch.
             oldest = min(r.queued_at for _, _, r in self._heap)
-            deadline = max(oldest, worker_free_at) + wait_s
-            # Nobody else to wait for once every open stream has its window queued.
-            company = min(self.config.max_batch_size, max(1, self._streams))
+            deadline = max(oldest, slot.free_at) + wait_s
+            # While another lane is idle too, a batch takes its share of the streams and
+            # leaves the rest to that lane: two batches side by side finish sooner than
+            # one of both. Nobody else to wait for once every stream not in flight elsewhere
+            # has its window queued.
+            limit = self.config.max_batch_size
+            if len(idle) > 1:
+                limit = min(limit, -(-max(1, self._streams) // self.lanes))
+            company = min(limit, max(1, self._streams - len(self._in_flight)))
             if len(self._heap) < company:
                 self._gathering = True
                 for wake in list(self._joiners):
@@ -403,40 +407,95 @@ class Pipeline:
             try:
                 while len(self._heap) < company:
                     remaining = deadline - loop.time()
-                    if remaining <= 0:
-                        break
-                    self._changed.clear()
-                    try:
-                        await asyncio.wait_for(self._changed.wait(), remaining)
-                    except asyncio.TimeoutError:
+                    if remaining <= 0 or not await self._wait_change(remaining):
                         break
             finally:
                 self._gathering = False
-            batch = self._take_batch()
+            if slot.busy or not slot.lane.alive:
+                continue  # it died while we gathered
+            batch = self._take_batch(limit)
             if not batch:
                 continue
-            self._in_flight = batch
-            windows = [r.window for r in batch]
-            try:
-                run = await self._worker.call(functools.partial(_decode_batch, engine, windows))
-            except Exception as exc:
-                # _decode_batch catches engine errors itself; this is a bug in the worker
-                # plumbing. Fail this batch, keep the scheduler alive for everyone else.
-                logger.error("decode worker call failed", exc_info=True)
-                run = _BatchRun([exc] * len(batch), 0.0, whole=False)
-            self._in_flight = []
-            worker_free_at = loop.time()
-            audio_s = [w.request.audio_s for w in windows]
-            self.metrics.observe_batch(len(batch), run.elapsed_s, sum(audio_s))
-            if run.whole:
-                # A failed batch's time (the failure, then each window alone) is not what a
-                # batch of this size costs.
-                self.capacity.observe(audio_s, run.elapsed_s)
-            for request, outcome in zip(batch, run.outcomes, strict=True):
-                if isinstance(outcome, Exception):
-                    _settle(request.future, None, outcome)
-                else:
-                    _settle(request.future, outcome, None)
+            slot.busy = True
+            self._in_flight.update(batch)
+            task = asyncio.create_task(self._run(slot, batch), name=f"whisperwire-{slot.index}")
+            self._runs.add(task)
+            task.add_done_callback(self._runs.discard)
+
+    async def _run(self, slot: _LaneSlot, batch: list[_Request]) -> None:
+        """One batch on one lane, and its results back to their sessions."""
+        loop = asyncio.get_running_loop()
+        windows = [r.window for r in batch]
+        try:
+            run = await slot.lane.call(functools.partial(_decode_batch, windows=windows))
+        except LaneLost as exc:
+            logger.error("%s; its %d window(s) go to another lane", exc, len(batch))
+            slot.busy = False
+            self._in_flight.difference_update(batch)
+            self._lane_lost(slot)
+            for request in batch:
+                request.lost_lanes += 1
+                if request.lost_lanes >= _MAX_LOST_LANES:
+                    _settle(request.future, None, exc)
+                elif not request.future.done():
+                    await self._slots.acquire()
+                    self._push(request)
+            return
+        except Exception as exc:
+            # _decode_batch catches engine errors itself; this is a bug in the lane
+            # plumbing. Fail this batch, keep the scheduler alive for everyone else.
+            logger.error("decode lane call failed", exc_info=True)
+            run = _BatchRun([exc] * len(batch), 0.0, whole=False)
+        finally:
+            slot.free_at = loop.time()
+            self._changed.set()
+        slot.busy = False
+        self._in_flight.difference_update(batch)
+        audio_s = [w.request.audio_s for w in windows]
+        self.metrics.observe_batch(len(batch), run.elapsed_s, sum(audio_s))
+        if run.whole:
+            # A failed batch's time (the failure, then each window alone) is not what a
+            # batch of this size costs.
+            self.capacity.observe(audio_s, run.elapsed_s)
+        for request, outcome in zip(batch, run.outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                _settle(request.future, None, outcome)
+            else:
+                _settle(request.future, outcome, None)
+
+    def _lane_lost(self, slot: _LaneSlot) -> None:
+        self._update_lanes()
+        if slot.reviving or self._closed or self._load_engine is None:
+            return
+        slot.reviving = True
+        task = asyncio.create_task(self._revive(slot), name=f"whisperwire-revive-{slot.index}")
+        self._runs.add(task)
+        task.add_done_callback(self._runs.discard)
+
+    async def _revive(self, slot: _LaneSlot) -> None:
+        """Replace a dead process lane with a new child, retrying with a growing pause."""
+        assert self._load_engine is not None
+        attempt = 0
+        try:
+            while not self._closed:
+                await asyncio.sleep(_REVIVE_BACKOFF_S[min(attempt, len(_REVIVE_BACKOFF_S) - 1)])
+                attempt += 1
+                dead, lane = slot.lane, ProcessLane(slot.lane.name)
+                slot.lane = lane  # from now on close() stops this one
+                await dead.stop()
+                try:
+                    await lane.load(self._load_engine)
+                    await lane.call(operator.methodcaller("warmup"))
+                except Exception as exc:
+                    logger.error("lane %s could not be replaced: %s", lane.name, exc)
+                    continue
+                slot.busy = False
+                logger.info("lane %s replaced (pid %s)", lane.name, lane.pid)
+                self._update_lanes()
+                self._changed.set()
+                return
+        finally:
+            slot.reviving = False
 
 
 def _as_decode_error(exc: Exception) -> DecodeError:
@@ -448,7 +507,7 @@ def _as_decode_error(exc: Exception) -> DecodeError:
 
 
 def _decode_batch(engine: SpeechEngine, windows: list[Window]) -> _BatchRun:
-    """Runs on the decode worker thread. One outcome per window: a result or the error."""
+    """Runs on a lane. One outcome per window: a result or the error."""
     started = time.perf_counter()
     outcomes: list[_Outcome]
     try:
@@ -468,7 +527,7 @@ def _decode_batch(engine: SpeechEngine, windows: list[Window]) -> _BatchRun:
 
 
 def _calibration_run(engine: SpeechEngine, windows: int, audio_s: float) -> _BatchRun:
-    """Runs on the decode worker thread: one timed call on ``windows`` noise windows (the
+    """Runs on a lane: one timed call on ``windows`` noise windows (the
     features are computed before the clock starts)."""
     rng = np.random.default_rng(windows)
     batch = []

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import jiwer
@@ -28,6 +28,10 @@ from whisper_normalizer.english import EnglishTextNormalizer
 from server.engine_api import DecodeResult, StopReason, Window, WordTiming
 from server.errors import DecodeError
 from server.formats import SAMPLE_RATE_HZ
+
+if TYPE_CHECKING:
+    from multiprocessing.synchronize import Event as EventLike
+    from multiprocessing.synchronize import Semaphore as SemaphoreLike
 
 REPO = Path(__file__).resolve().parents[1]
 SPEECH_ENV = "WHISPERWIRE_SPEECH_DIR"
@@ -205,6 +209,35 @@ class ScriptedEngine:
             stop_reason=StopReason.EOT,
             n_generated=len(words),
         )
+
+
+def scripted_engine() -> ScriptedEngine:
+    """A new ``ScriptedEngine``: a module-level function, so a process lane can pickle it."""
+    return ScriptedEngine()
+
+
+GATE_TIMEOUT_S = 60.0  # only a broken test leaves a gate closed this long
+
+
+class GatedEngine(ScriptedEngine):
+    """A ``ScriptedEngine`` held at a gate that works across processes: every
+    ``decode_windows`` call releases ``entered`` once, then waits until ``gate`` is set.
+
+    Build it with ``functools.partial(GatedEngine, gate, entered)`` from ``multiprocessing``
+    primitives: a process lane inherits them through its ``load_engine``, so the test sees
+    calls enter in the child as well as in this process.
+    """
+
+    def __init__(self, gate: EventLike, entered: SemaphoreLike) -> None:
+        super().__init__()
+        self.gate = gate
+        self.entered_calls = entered
+
+    def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
+        self.entered_calls.release()
+        if not self.gate.wait(GATE_TIMEOUT_S):
+            raise DecodeError("the test never opened the gate")
+        return super().decode_windows(windows)
 
 
 def pcm_frames(audio: Float32Array, chunk_s: float = 0.1) -> list[bytes]:

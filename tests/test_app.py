@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import signal
 import socket
@@ -1103,3 +1104,49 @@ async def test_sigterm_under_load_delivers_every_final(
         ref_words = normalize(reference(manifest, file)).split()
         assert len(words) >= 3, outcome.text
         assert wer(" ".join(ref_words[: len(words)]), " ".join(words)) <= MAX_WER_CLIP, file
+
+
+async def test_a_decode_lane_killed_mid_stream_costs_no_audio(
+    speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    """Two lanes with the real model; the child lane is killed while two clients stream.
+    Its windows are decoded on this process's lane, a new child replaces it, and every
+    accepted second reaches the finals."""
+    from server.cli import load_engine
+    from server.engine.engine import EngineConfig
+
+    config = ServerConfig(host="127.0.0.1", port=0, capacity_limit=False)
+    pipeline = PipelineConfig(decode_lanes=2, batch_wait_ms=5.0)
+    files = SIGTERM_CLIPS[:2]
+    async with WhisperwireServer(
+        functools.partial(load_engine, EngineConfig()), server=config, pipeline=pipeline
+    ) as server:
+        assert server.pipeline.lanes == 2
+        (child,) = server.pipeline.process_lanes
+        metrics = server.pipeline.metrics
+
+        async def kill_after_the_first_decode() -> None:
+            while metrics.batch_size.count < 1:
+                await asyncio.sleep(0.02)
+            child.kill()
+
+        killer = asyncio.ensure_future(kill_after_the_first_decode())
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(
+                *(
+                    stream_frames(stream_url(server.url), pcm_frames(load_clip(speech_dir / f)))
+                    for f in files
+                )
+            ),
+            WAIT_S,
+        )
+        assert killer.done(), "the streams ended before the lane was killed"
+        async with asyncio.timeout(WAIT_S):
+            while server.pipeline.lanes != 2:
+                await asyncio.sleep(0.1)
+        (replacement,) = server.pipeline.process_lanes
+        assert replacement is not child and child.exitcode == -signal.SIGKILL
+    for file, outcome in zip(files, outcomes, strict=True):
+        check_message_shapes(outcome)  # done accounts for every second, all transcribed
+        assert not outcome.of_type("error"), outcome.of_type("error")
+        assert wer(reference(manifest, file), outcome.text) <= MAX_WER_CLIP, (file, outcome.text)

@@ -143,6 +143,21 @@ def test_measured_calls_give_the_stream_count() -> None:
     assert m.streams(limit=2) == 2
 
 
+def test_lanes_side_by_side_multiply_the_streams_and_share_the_hop() -> None:
+    m = model()
+    for _ in range(3):
+        m.observe([4.0], 0.3)  # 0.1 s + 0.2 s per window
+        m.observe([4.0, 4.0], 0.5)
+    one_lane_hop_s = [m.stream_hop_s(n) for n in (1, 2, 3)]
+    m.lanes = 2
+    assert m.streams(limit=32) == 6  # three per lane
+    assert m.streams(limit=5) == 5
+    # Four streams on two lanes: each lane's round is two windows, as two streams on one.
+    assert m.stream_hop_s(4) == pytest.approx(one_lane_hop_s[1])
+    assert m.stream_hop_s(3) == pytest.approx(one_lane_hop_s[1])  # the fuller lane counts
+    assert m.stream_hop_s(1) == pytest.approx(one_lane_hop_s[0])
+
+
 def test_a_machine_too_slow_for_one_stream_still_serves_one() -> None:
     m = model()
     m.observe([4.0], 2.0)

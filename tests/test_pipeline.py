@@ -8,8 +8,11 @@ behind it and the next batch's make-up observed exactly, with no timing involved
 from __future__ import annotations
 
 import asyncio
+import functools
+import multiprocessing
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,13 +25,14 @@ from server.formats import SAMPLE_RATE_HZ
 from server.messages import ErrorMessage, FinalMessage, ServerMessage
 from server.pipeline import DriverOutcome, Pipeline, StreamDriver
 from server.session import DecodeJob, Session
-from tests.helpers import ScriptedEngine, load_clip, pcm_frames
+from tests.helpers import GatedEngine, ScriptedEngine, load_clip, pcm_frames
 
 # Fixtures run on the session's loop (asyncio_default_fixture_loop_scope); so must the tests,
 # or the pipeline a fixture started would post its results to a loop that is not running.
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 WAIT_S = 30.0  # generous: only a bug makes any of these waits long
+LANE_WAIT_S = 60.0  # a child lane starts an interpreter: seconds on a loaded machine
 
 
 def make_job(audio_s: float, created_at: float, session_id: str = "s") -> DecodeJob:
@@ -364,3 +368,85 @@ async def test_decoded_batches_feed_the_capacity_model_and_failed_ones_do_not(
     with pytest.raises(DecodeError):  # fail_when: audio_s == 1.5
         await asyncio.wait_for(pipeline.decode(make_job(1.5, created_at=5.0)), WAIT_S)
     assert capacity.typical_window_s == 2.0  # its window was not measured
+
+
+# --------------------------------------------------------------------------- lanes
+
+
+@pytest_asyncio.fixture
+async def two_lanes() -> AsyncIterator[tuple[Pipeline, Any, Any]]:
+    """A pipeline with this process's lane and one child-process lane, both running a
+    ``GatedEngine``: yields the pipeline, its gate (set to let calls finish) and the
+    semaphore each call releases as it enters the engine."""
+    context = multiprocessing.get_context("spawn")
+    gate, entered = context.Event(), context.Semaphore(0)
+    pipeline = Pipeline(PipelineConfig(decode_lanes=2, batch_wait_ms=0.0))
+    await asyncio.wait_for(
+        pipeline.start(functools.partial(GatedEngine, gate, entered), warmup=False), LANE_WAIT_S
+    )
+    try:
+        yield pipeline, gate, entered
+    finally:
+        gate.set()
+        await pipeline.close()
+
+
+async def entered_calls(entered: Any, n: int) -> None:
+    for _ in range(n):
+        assert await asyncio.to_thread(entered.acquire, True, LANE_WAIT_S), "no call entered"
+
+
+async def test_two_lanes_decode_two_streams_at_once(
+    two_lanes: tuple[Pipeline, Any, Any],
+) -> None:
+    pipeline, gate, entered = two_lanes
+    assert pipeline.lanes == 2 and pipeline.metrics.decode_lanes.value == 2
+    pipeline.add_stream()
+    pipeline.add_stream()
+    jobs = [make_job(1.0, created_at=1.0, session_id="a"), make_job(2.0, 2.0, "b")]
+    futures = await queue_jobs(pipeline, jobs)
+    # Both calls are inside an engine at the same time: one on each lane. A single lane
+    # would hold both windows in one call, or the second one back until the first returns.
+    await entered_calls(entered, 2)
+    assert pipeline.queued == 0
+    gate.set()
+    results = await asyncio.wait_for(asyncio.gather(*futures), WAIT_S)
+    assert [r.text for r in results] == [" w0 w1", " w0 w1 w2 w3"]
+    assert pipeline.metrics.batch_size.count == 2  # two calls of one window each
+    assert pipeline.capacity.lanes == 2
+
+
+async def test_a_lane_that_dies_loses_no_window_and_is_replaced(
+    two_lanes: tuple[Pipeline, Any, Any],
+) -> None:
+    pipeline, gate, entered = two_lanes
+    pipeline.add_stream()
+    pipeline.add_stream()
+    jobs = [make_job(1.0, created_at=1.0, session_id="a"), make_job(2.0, 2.0, "b")]
+    futures = await queue_jobs(pipeline, jobs)
+    await entered_calls(entered, 2)
+    (child,) = pipeline.process_lanes
+    child.kill()
+    # The dead lane's window goes back to the queue and waits for the live lane.
+    async with asyncio.timeout(LANE_WAIT_S):
+        while pipeline.lanes != 1 or pipeline.queued != 1:
+            await asyncio.sleep(0.01)
+    assert pipeline.metrics.decode_lanes.value == 1
+    assert pipeline.capacity.lanes == 1
+    gate.set()
+    results = await asyncio.wait_for(asyncio.gather(*futures), LANE_WAIT_S)
+    assert [r.text for r in results] == [" w0 w1", " w0 w1 w2 w3"]
+    async with asyncio.timeout(LANE_WAIT_S):
+        while pipeline.lanes != 2:
+            await asyncio.sleep(0.05)
+    (replacement,) = pipeline.process_lanes
+    assert replacement is not child and replacement.alive
+    # The new child decodes: hold this process's lane, and the next stream's window goes there.
+    gate.clear()
+    first = await queue_jobs(pipeline, [make_job(0.5, created_at=3.0, session_id="a")])
+    await entered_calls(entered, 1)
+    second = await queue_jobs(pipeline, [make_job(1.0, created_at=4.0, session_id="b")])
+    await entered_calls(entered, 1)
+    gate.set()
+    done = await asyncio.wait_for(asyncio.gather(*first, *second), WAIT_S)
+    assert [r.text for r in done] == [" w0", " w0 w1"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -67,6 +68,20 @@ class EngineConfig:
             raise ValueError("fallback_context_s must be in (0, 30]")
         if self.context_margin_s < 0 or self.context_step_s <= 0:
             raise ValueError("context_margin_s must be >= 0 and context_step_s > 0")
+
+
+AUTO_LANES_MAX = 8  # each lane holds a copy of the model
+
+
+def default_decode_lanes() -> int:
+    """Decode lanes to run by default: one per core this process may use on the CPU backend
+    (each lane's engine calls keep one core busy on one BLAS thread), at most
+    ``AUTO_LANES_MAX``; one on a GPU, which the lanes would only share."""
+    if mx.default_device() != mx.cpu:
+        return 1
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    return max(1, min(cores, AUTO_LANES_MAX))
 
 
 def pad_to_full(mel: Float32Array, frames: int = N_FRAMES) -> Float32Array:

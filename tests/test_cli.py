@@ -1,0 +1,38 @@
+"""``whisperwire-server``'s flags: parsing and the errors a wrong value gets (exit 2).
+
+Serving itself is tested end to end in tests/test_app.py (SIGTERM, a model that cannot load).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from server.cli import build_parser, main
+
+
+def test_decode_lanes_default_to_auto_and_take_a_count() -> None:
+    parser = build_parser()
+    assert parser.parse_args([]).decode_lanes is None  # auto: decided once MLX is loaded
+    assert parser.parse_args(["--decode-lanes", "auto"]).decode_lanes is None
+    assert parser.parse_args(["--decode-lanes", "3"]).decode_lanes == 3
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [("0", "must be >= 1"), ("two", "expected a number or auto"), ("65", "decode_lanes must be")],
+)
+def test_a_bad_lane_count_exits_2_and_says_why(
+    value: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--decode-lanes", value])
+    assert exited.value.code == 2
+    assert why in capsys.readouterr().err
+
+
+def test_auto_is_one_lane_per_core_on_the_cpu() -> None:
+    from server.engine.engine import AUTO_LANES_MAX, default_decode_lanes
+
+    assert default_decode_lanes() == min(len(os.sched_getaffinity(0)), AUTO_LANES_MAX)
