@@ -2,7 +2,7 @@
 
     whisperwire-server [--host 127.0.0.1] [--port 8765] [--model tiny.en] [--dtype float32]
                        [--quantize-bits 4|8] [--min-context-s 3] [--max-batch-size 8]
-                       [--batch-wait-ms 5] [--decode-lanes auto]
+                       [--batch-wait-ms 5] [--decode-lanes auto] [--min-right-context-s 0.8]
                        [--max-sessions 32] [--no-capacity-limit]
                        [--capacity-hop-s 1] [--capacity-utilization 0.8]
                        [--max-session-s 14400] [--idle-timeout-s 30] [--api-key KEY]
@@ -27,9 +27,10 @@ from collections.abc import Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .config import PipelineConfig, ServerConfig
+from .config import PipelineConfig, ServerConfig, StreamingConfig
 from .engine.store import DEFAULT_MODEL, available_models
 from .errors import ModelError
+from .policy import CommitConfig
 
 if TYPE_CHECKING:
     from .engine.engine import Engine, EngineConfig
@@ -110,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a ready window waits for others to batch with (default %(default)s)",
     )
 
+    streaming = parser.add_argument_group("streaming")
+    streaming.add_argument(
+        "--min-right-context-s",
+        type=float,
+        default=CommitConfig().min_right_context_s,
+        help="audio after a word before it can become final: less is faster, more is surer "
+        "(default %(default)s; bench-accuracy's table in bench/README.md)",
+    )
+
     limits = parser.add_argument_group("limits and security")
     limits.add_argument(
         "--max-sessions",
@@ -121,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--capacity-limit",
         action=argparse.BooleanOptionalAction,
         default=s.capacity_limit,
-        help="also refuse (1013) streams beyond what the decode worker is measured to keep in "
+        help="also refuse (1013) streams beyond what the decode lanes are measured to keep in "
         "real time, up to --max-sessions (default on)",
     )
     limits.add_argument(
@@ -135,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--capacity-utilization",
         type=float,
         default=p.capacity_utilization,
-        help="for the capacity estimate: the share of that wait the decode worker may be busy "
+        help="for the capacity estimate: the share of that wait a decode lane may be busy "
         "(default %(default)s)",
     )
     limits.add_argument(
@@ -214,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             tls_cert_path=args.tls_cert,
             tls_key_path=args.tls_key,
         )
+        streaming = StreamingConfig(
+            commit=CommitConfig(min_right_context_s=args.min_right_context_s)
+        )
         pipeline = PipelineConfig(
             decode_lanes=args.decode_lanes or 1,
             max_batch_size=args.max_batch_size,
@@ -244,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _run(
             run_server(
-                functools.partial(load_engine, engine_config), server=server, pipeline=pipeline
+                functools.partial(load_engine, engine_config),
+                server=server,
+                pipeline=pipeline,
+                streaming=streaming,
             )
         )
     except ModelError as exc:

@@ -36,3 +36,17 @@ def test_auto_is_one_lane_per_core_on_the_cpu() -> None:
     from server.engine.engine import AUTO_LANES_MAX, default_decode_lanes
 
     assert default_decode_lanes() == min(len(os.sched_getaffinity(0)), AUTO_LANES_MAX)
+
+
+def test_the_commit_policy_right_context_is_one_flag_away(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from server.policy import CommitConfig
+
+    parser = build_parser()
+    assert parser.parse_args([]).min_right_context_s == CommitConfig().min_right_context_s
+    assert parser.parse_args(["--min-right-context-s", "1.0"]).min_right_context_s == 1.0
+    with pytest.raises(SystemExit) as exited:
+        main(["--min-right-context-s", "-1"])
+    assert exited.value.code == 2
+    assert "min_right_context_s" in capsys.readouterr().err
