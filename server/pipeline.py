@@ -154,10 +154,11 @@ class Pipeline:
         decode thread, and child processes for the others), warm each up, seed the capacity
         model, and start scheduling.
 
-        Raises whatever ``load_engine`` raises (``ModelError`` for a model that cannot be
-        loaded; ``ValueError`` if it does not pickle and more than one lane is asked for);
-        call ``close`` afterwards either way. Without ``warmup`` the capacity model waits for
-        the clients' first calls.
+        Raises whatever ``load_engine`` raises in this process (``ModelError`` for a model
+        that cannot be loaded; ``ValueError`` if it does not pickle and more than one lane is
+        asked for); a child that fails to start is logged and replaced in the background
+        while the others serve. Call ``close`` afterwards either way. Without ``warmup`` the
+        capacity model waits for the clients' first calls.
         """
         if self._closed:
             raise RuntimeError("the pipeline is closed")
@@ -167,23 +168,34 @@ class Pipeline:
         others = [ProcessLane(f"whisperwire-lane-{i}") for i in range(1, self.config.decode_lanes)]
         self._lanes += [_LaneSlot(lane, i) for i, lane in enumerate(others, start=1)]
         # The children load while this process does: a second lane costs little startup time.
-        children = asyncio.gather(*(lane.load(load_engine) for lane in others))
+        children = asyncio.gather(
+            *(lane.load(load_engine) for lane in others), return_exceptions=True
+        )
         try:
             engine = await home.load(load_engine)
         finally:
-            await asyncio.wait({children})  # every child answered (or died) before we go on
-            failure = children.exception()
-        if failure is not None:
-            raise failure
+            outcomes = await children  # every child answered (or died) before we go on
+        failed: list[_LaneSlot] = []
+        for slot, outcome in zip(self._lanes[1:], outcomes, strict=True):
+            if isinstance(outcome, ValueError):
+                raise outcome  # a load_engine that does not pickle: no child ever will
+            if isinstance(outcome, BaseException):
+                # This process loaded the same model: the child ran out of something (memory,
+                # processes). Serve on fewer lanes and keep trying to bring it up.
+                logger.error("lane %s did not start: %s", slot.lane.name, outcome)
+                failed.append(slot)
         if warmup:
+            live = [slot.lane for slot in self._lanes if slot.lane.alive]
             spent = await asyncio.gather(
-                *(slot.lane.call(operator.methodcaller("warmup")) for slot in self._lanes)
+                *(lane.call(operator.methodcaller("warmup")) for lane in live)
             )
             logger.info("warmed up %s on %d lane(s) in %.2f s", engine.name, len(spent), max(spent))
             await self._calibrate(home)
         self._engine = engine
         self._update_lanes()
         self._scheduler = asyncio.create_task(self._schedule(), name="whisperwire-scheduler")
+        for slot in failed:
+            self._lane_lost(slot)
         self.metrics.ready.set(1)
         return engine
 

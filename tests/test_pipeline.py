@@ -450,3 +450,25 @@ async def test_a_lane_that_dies_loses_no_window_and_is_replaced(
     gate.set()
     done = await asyncio.wait_for(asyncio.gather(*first, *second), WAIT_S)
     assert [r.text for r in done] == [" w0", " w0 w1"]
+
+
+def engine_only_here() -> ScriptedEngine:
+    """Loads in this process, fails in a child lane (as a child out of memory would)."""
+    if multiprocessing.parent_process() is not None:
+        raise MemoryError("no memory for a second model")
+    return ScriptedEngine()
+
+
+async def test_a_child_lane_that_cannot_start_leaves_the_others_serving(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pipeline = Pipeline(PipelineConfig(decode_lanes=2, batch_wait_ms=0.0))
+    try:
+        await asyncio.wait_for(pipeline.start(engine_only_here), LANE_WAIT_S)
+        assert pipeline.ready
+        assert pipeline.lanes == 1 and pipeline.capacity.lanes == 1
+        assert "did not start: no memory for a second model" in caplog.text
+        result = await asyncio.wait_for(pipeline.decode(make_job(1.0, created_at=1.0)), WAIT_S)
+        assert result.text == " w0 w1"
+    finally:
+        await pipeline.close()
