@@ -30,7 +30,6 @@ from server.errors import DecodeError
 from server.formats import SAMPLE_RATE_HZ
 
 if TYPE_CHECKING:
-    from multiprocessing.synchronize import Event as EventLike
     from multiprocessing.synchronize import Semaphore as SemaphoreLike
 
 REPO = Path(__file__).resolve().parents[1]
@@ -221,21 +220,24 @@ GATE_TIMEOUT_S = 60.0  # only a broken test leaves a gate closed this long
 
 class GatedEngine(ScriptedEngine):
     """A ``ScriptedEngine`` held at a gate that works across processes: every
-    ``decode_windows`` call releases ``entered`` once, then waits until ``gate`` is set.
+    ``decode_windows`` call releases ``entered`` once, then takes one pass from ``gate``
+    (the test releases ``gate`` once per call it lets through).
 
-    Build it with ``functools.partial(GatedEngine, gate, entered)`` from ``multiprocessing``
-    primitives: a process lane inherits them through its ``load_engine``, so the test sees
-    calls enter in the child as well as in this process.
+    Build it with ``functools.partial(GatedEngine, gate, entered)`` from two
+    ``multiprocessing`` semaphores: a process lane inherits them through its
+    ``load_engine``, so the test sees calls enter in the child as well as in this process.
+    Semaphores, not an ``Event``: a child killed while waiting on an ``Event`` leaves its
+    condition expecting a waiter that will never wake, and ``set`` then blocks forever.
     """
 
-    def __init__(self, gate: EventLike, entered: SemaphoreLike) -> None:
+    def __init__(self, gate: SemaphoreLike, entered: SemaphoreLike) -> None:
         super().__init__()
         self.gate = gate
         self.entered_calls = entered
 
     def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
         self.entered_calls.release()
-        if not self.gate.wait(GATE_TIMEOUT_S):
+        if not self.gate.acquire(True, GATE_TIMEOUT_S):
             raise DecodeError("the test never opened the gate")
         return super().decode_windows(windows)
 

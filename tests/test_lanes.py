@@ -97,7 +97,7 @@ async def test_a_load_engine_that_does_not_pickle_is_refused_before_spawning() -
 
 async def test_a_child_killed_mid_call_fails_that_call_and_every_later_one() -> None:
     context = multiprocessing.get_context("spawn")
-    gate, entered = context.Event(), context.Semaphore(0)
+    gate, entered = context.Semaphore(0), context.Semaphore(0)
     lane = ProcessLane("test-lane-killed")
     await asyncio.wait_for(lane.load(functools.partial(GatedEngine, gate, entered)), WAIT_S)
     try:
@@ -112,7 +112,7 @@ async def test_a_child_killed_mid_call_fails_that_call_and_every_later_one() -> 
         with pytest.raises(LaneLost):
             await lane.call(operator.methodcaller("warmup"))
     finally:
-        gate.set()
+        gate.release()
         await lane.stop()
 
 

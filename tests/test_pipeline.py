@@ -376,10 +376,10 @@ async def test_decoded_batches_feed_the_capacity_model_and_failed_ones_do_not(
 @pytest_asyncio.fixture
 async def two_lanes() -> AsyncIterator[tuple[Pipeline, Any, Any]]:
     """A pipeline with this process's lane and one child-process lane, both running a
-    ``GatedEngine``: yields the pipeline, its gate (set to let calls finish) and the
-    semaphore each call releases as it enters the engine."""
+    ``GatedEngine``: yields the pipeline, its gate (release it once per call to let
+    through) and the semaphore each call releases as it enters the engine."""
     context = multiprocessing.get_context("spawn")
-    gate, entered = context.Event(), context.Semaphore(0)
+    gate, entered = context.Semaphore(0), context.Semaphore(0)
     pipeline = Pipeline(PipelineConfig(decode_lanes=2, batch_wait_ms=0.0))
     await asyncio.wait_for(
         pipeline.start(functools.partial(GatedEngine, gate, entered), warmup=False), LANE_WAIT_S
@@ -387,7 +387,8 @@ async def two_lanes() -> AsyncIterator[tuple[Pipeline, Any, Any]]:
     try:
         yield pipeline, gate, entered
     finally:
-        gate.set()
+        for _ in range(8):  # whatever a failed test left waiting
+            gate.release()
         await pipeline.close()
 
 
@@ -409,7 +410,8 @@ async def test_two_lanes_decode_two_streams_at_once(
     # would hold both windows in one call, or the second one back until the first returns.
     await entered_calls(entered, 2)
     assert pipeline.queued == 0
-    gate.set()
+    gate.release()
+    gate.release()
     results = await asyncio.wait_for(asyncio.gather(*futures), WAIT_S)
     assert [r.text for r in results] == [" w0 w1", " w0 w1 w2 w3"]
     assert pipeline.metrics.batch_size.count == 2  # two calls of one window each
@@ -433,21 +435,23 @@ async def test_a_lane_that_dies_loses_no_window_and_is_replaced(
             await asyncio.sleep(0.01)
     assert pipeline.metrics.decode_lanes.value == 1
     assert pipeline.capacity.lanes == 1
-    gate.set()
+    gate.release()  # "a" finishes; then "b" runs on a live lane
+    gate.release()
     results = await asyncio.wait_for(asyncio.gather(*futures), LANE_WAIT_S)
     assert [r.text for r in results] == [" w0 w1", " w0 w1 w2 w3"]
+    await entered_calls(entered, 1)  # "b" entering the lane that decoded it
     async with asyncio.timeout(LANE_WAIT_S):
         while pipeline.lanes != 2:
             await asyncio.sleep(0.05)
     (replacement,) = pipeline.process_lanes
     assert replacement is not child and replacement.alive
     # The new child decodes: hold this process's lane, and the next stream's window goes there.
-    gate.clear()
     first = await queue_jobs(pipeline, [make_job(0.5, created_at=3.0, session_id="a")])
     await entered_calls(entered, 1)
     second = await queue_jobs(pipeline, [make_job(1.0, created_at=4.0, session_id="b")])
     await entered_calls(entered, 1)
-    gate.set()
+    gate.release()
+    gate.release()
     done = await asyncio.wait_for(asyncio.gather(*first, *second), WAIT_S)
     assert [r.text for r in done] == [" w0", " w0 w1"]
 
