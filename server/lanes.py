@@ -272,11 +272,15 @@ def _serve(
     conn: multiprocessing.connection.Connection, load_engine: LoadEngine, log_level: int
 ) -> None:
     """The child's main: load the engine, then answer calls until told to stop or orphaned."""
-    # Ctrl-C reaches the whole process group; the parent's shutdown stops us in order.
+    # Ctrl-C reaches the whole process group, and systemd sends SIGTERM to the whole cgroup:
+    # the parent's shutdown (draining its sessions first) stops us in order, and the pipe's
+    # EOF ends us if the parent is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=log_level,
-        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s",
+        # The server's line shape; the brackets hold the lane where its lines hold a session.
+        format="%(asctime)s %(levelname)s %(name)s [%(processName)s] %(message)s",
     )
     try:
         engine = load_engine()

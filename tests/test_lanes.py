@@ -12,6 +12,8 @@ import asyncio
 import functools
 import multiprocessing
 import operator
+import os
+import signal
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -119,4 +121,17 @@ async def test_a_child_killed_mid_call_fails_that_call_and_every_later_one() -> 
 async def test_stop_lets_the_child_exit_cleanly(process_lane: ProcessLane) -> None:
     await process_lane.stop()
     assert not process_lane.alive
+    assert process_lane.exitcode == 0
+
+
+async def test_a_signal_to_the_whole_process_group_leaves_the_child_to_the_parent(
+    process_lane: ProcessLane,
+) -> None:
+    # systemd's SIGTERM reaches every process of the service; Ctrl-C the whole group.
+    assert process_lane.pid is not None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        os.kill(process_lane.pid, sig)
+    results = await process_lane.call(operator.methodcaller("decode_windows", windows(1.0)))
+    assert results[0].text == " w0 w1" and process_lane.alive
+    await process_lane.stop()
     assert process_lane.exitcode == 0
