@@ -158,8 +158,13 @@ class ProcessLane:
     event loop never blocks on the pipe. ``load_engine`` must pickle.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, on_lost: Callable[[ProcessLane], None] | None = None) -> None:
         self.name = name
+        # Called on the loop when the child ends on its own (killed while idle, say), not
+        # only when a call finds it gone.
+        self._on_lost = on_lost
+        self._watched: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
         self._worker = _Worker(f"{name}-pipe")
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: multiprocessing.connection.Connection | None = None
@@ -208,6 +213,8 @@ class ProcessLane:
                 f"or functools.partial of one): {exc}"
             ) from exc
         theirs.close()  # the child holds its end: our copy would hide the child's exit as EOF
+        self._watched = asyncio.get_running_loop()
+        self._watched.add_reader(self._process.sentinel, self._exited)
         self._worker.start()
         await self._worker.call(self._answer)
         self._ready = True
@@ -223,6 +230,8 @@ class ProcessLane:
         """Ask the child to exit after its current call, wait for it (kill it if it hangs)."""
         if self._process is None:
             return
+        self._stopping = True
+        self._unwatch()
         await self._worker.stop()
         if self._conn is not None and not self._lost:
             with contextlib.suppress(OSError, ValueError):  # the child is gone already
@@ -235,6 +244,20 @@ class ProcessLane:
             await asyncio.to_thread(process.join)
         if self._conn is not None:
             self._conn.close()
+
+    def _exited(self) -> None:
+        self._unwatch()
+        if self._stopping:
+            return
+        self._lost = True
+        logger.error("lane %s ended (exit code %s)", self.name, self.exitcode)
+        if self._on_lost is not None:
+            self._on_lost(self)
+
+    def _unwatch(self) -> None:
+        if self._watched is not None and self._process is not None:
+            self._watched.remove_reader(self._process.sentinel)
+            self._watched = None
 
     def kill(self) -> None:
         """Kill the child now (tests: a lane that dies mid-call)."""

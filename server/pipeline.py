@@ -165,7 +165,10 @@ class Pipeline:
         self._load_engine = load_engine
         home = ThreadLane()
         self._lanes = [_LaneSlot(home, 0)]
-        others = [ProcessLane(f"whisperwire-lane-{i}") for i in range(1, self.config.decode_lanes)]
+        others = [
+            ProcessLane(f"whisperwire-lane-{i}", self._lost_lane)
+            for i in range(1, self.config.decode_lanes)
+        ]
         self._lanes += [_LaneSlot(lane, i) for i, lane in enumerate(others, start=1)]
         # The children load while this process does: a second lane costs little startup time.
         children = asyncio.gather(
@@ -475,6 +478,12 @@ class Pipeline:
             else:
                 _settle(request.future, outcome, None)
 
+    def _lost_lane(self, lane: ProcessLane) -> None:
+        """A child lane ended on its own; the call it ran, if any, fails in ``_run``."""
+        for slot in self._lanes:
+            if slot.lane is lane:
+                self._lane_lost(slot)
+
     def _lane_lost(self, slot: _LaneSlot) -> None:
         self._update_lanes()
         if slot.reviving or self._closed or self._load_engine is None:
@@ -492,7 +501,7 @@ class Pipeline:
             while not self._closed:
                 await asyncio.sleep(_REVIVE_BACKOFF_S[min(attempt, len(_REVIVE_BACKOFF_S) - 1)])
                 attempt += 1
-                dead, lane = slot.lane, ProcessLane(slot.lane.name)
+                dead, lane = slot.lane, ProcessLane(slot.lane.name, self._lost_lane)
                 slot.lane = lane  # from now on close() stops this one
                 await dead.stop()
                 try:

@@ -476,3 +476,15 @@ async def test_a_child_lane_that_cannot_start_leaves_the_others_serving(
         assert result.text == " w0 w1"
     finally:
         await pipeline.close()
+
+
+async def test_a_lane_that_dies_while_idle_is_replaced(
+    two_lanes: tuple[Pipeline, Any, Any],
+) -> None:
+    pipeline, _, _ = two_lanes
+    (child,) = pipeline.process_lanes
+    child.kill()  # no call is running: only the process's exit can tell
+    async with asyncio.timeout(LANE_WAIT_S):
+        while pipeline.process_lanes[0] is child or pipeline.lanes != 2:
+            await asyncio.sleep(0.05)
+    assert pipeline.process_lanes[0].alive
