@@ -166,7 +166,7 @@ class Pipeline:
         home = ThreadLane()
         self._lanes = [_LaneSlot(home, 0)]
         others = [
-            ProcessLane(f"whisperwire-lane-{i}", self._lost_lane)
+            ProcessLane(f"whisperwire-lane-{i}", self._child_ended)
             for i in range(1, self.config.decode_lanes)
         ]
         self._lanes += [_LaneSlot(lane, i) for i, lane in enumerate(others, start=1)]
@@ -478,7 +478,7 @@ class Pipeline:
             else:
                 _settle(request.future, outcome, None)
 
-    def _lost_lane(self, lane: ProcessLane) -> None:
+    def _child_ended(self, lane: ProcessLane) -> None:
         """A child lane ended on its own; the call it ran, if any, fails in ``_run``."""
         for slot in self._lanes:
             if slot.lane is lane:
@@ -501,7 +501,7 @@ class Pipeline:
             while not self._closed:
                 await asyncio.sleep(_REVIVE_BACKOFF_S[min(attempt, len(_REVIVE_BACKOFF_S) - 1)])
                 attempt += 1
-                dead, lane = slot.lane, ProcessLane(slot.lane.name, self._lost_lane)
+                dead, lane = slot.lane, ProcessLane(slot.lane.name, self._child_ended)
                 slot.lane = lane  # from now on close() stops this one
                 await dead.stop()
                 try:
