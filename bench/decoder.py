@@ -203,8 +203,10 @@ def bench_decoder(engine: Engine, stock: Stock, repeats: int, budget_s: float) -
 
 
 def bench_step(engine: Engine, repeats: int, budget_s: float) -> dict[str, Any]:
-    """One token step taken apart: the step as served, its decoder blocks eager and under
-    ``mx.compile``, and the output projection through MLX's matmul and through ``sgemv``."""
+    """One token step taken apart: the step as served (numpy over ``sgemv`` on the CPU, see
+    ``server/engine/cpu_step.py``), the MLX step it replaced, that step's decoder blocks
+    eager and under ``mx.compile``, and the output projection through MLX's matmul and
+    through ``sgemv``."""
     mx = import_mlx()
     from server.engine.blas import vector_matrix
 
@@ -236,13 +238,26 @@ def bench_step(engine: Engine, repeats: int, budget_s: float) -> dict[str, Any]:
     hidden_np = np.array(hidden)
     projection = dec.logits  # MLX: layer norm + (state, vocab) matmul
 
-    def served() -> None:
+    def mlx_step() -> None:
         decoder._forward(token, position, offset, caches, mask, cross, cross_mask)
+
+    numpy_step = decoder._cpu_step
+    valid = np.ones((1, engine.dims.n_text_ctx), dtype=np.bool_)
+    step_args = (np.array([engine.vocab.eot], np.int32), np.array([offset], np.int32))
+    if numpy_step is not None:
+        numpy_step.begin(caches, offset, cross, [int(feats.shape[0])])
+
+    def served() -> None:
+        if numpy_step is None:
+            mlx_step()
+        else:
+            numpy_step.forward([0], *step_args, offset, valid)
 
     projection_np = dec.projection_array()
     assert projection_np is not None, "the step is measured in float32, unquantized"
     figures = {
         "step_as_served": served,
+        "step_mlx": mlx_step,
         "blocks_eager": lambda: mx.eval(blocks(x, mask, *arrays)),
         "blocks_mx_compile": lambda: mx.eval(compiled(x, mask, *arrays)),
         "projection_mlx_matmul": lambda: np.array(projection(x[:, -1, :])),
@@ -528,7 +543,8 @@ def report(results: dict[str, Any]) -> str:
     st = results["step"]
     out += [
         f"one token step ms (min/p50/p95), {st['audio_positions']} audio positions: as served "
-        f"{c(st['step_as_served'])}; decoder blocks eager {c(st['blocks_eager'])}, "
+        f"{c(st['step_as_served'])}, on MLX {c(st['step_mlx'])}; MLX decoder blocks eager "
+        f"{c(st['blocks_eager'])}, "
         f"mx.compile {c(st['blocks_mx_compile'])} (x{st['compile_speedup']:.2f}); output "
         f"projection MLX matmul {c(st['projection_mlx_matmul'])}, sgemv "
         f"{c(st['projection_sgemv'])}",

@@ -202,6 +202,16 @@ class ResidualAttentionBlock(nn.Module):
         x = x + c.out(self._attend(q, cross_k, cross_v, None))
         return x + self.mlp(x), weights
 
+    def cross_weights(self, x: mx.array, mask: mx.array, cross_k: mx.array) -> mx.array:
+        """Only the cross-attention weights of ``decode_full``: for the last layer the
+        alignment reads, whose output nothing uses."""
+        a = self.attn
+        h = self.attn_ln(x)
+        k, v = split_heads(a.key(h), a.n_head), split_heads(a.value(h), a.n_head)
+        x = x + a.out(self._attend(a.query(h), k, v, mask))
+        q = self.cross_attn.query(self.cross_attn_ln(x))
+        return attention_weights(q, cross_k, None, self._softmax)
+
 
 class AudioEncoder(nn.Module):
     def __init__(self, n_mels: int, n_ctx: int, n_state: int, n_head: int, n_layer: int) -> None:

@@ -1,0 +1,290 @@
+"""A text-decoder token step for up to three rows on the CPU: numpy over ``cblas_sgemv``.
+
+MLX hands every float32 matmul to ``cblas_sgemm``, which packs the whole weight matrix even
+for a single row: a 384 x 1536 layer takes 110-250 us there, against 50 us as a
+matrix-vector product. A token step of tiny is 32 such products and about 150 dispatches:
+12-13 ms a token on our CPUs as MLX ran it. The same arithmetic as
+``ResidualAttentionBlock.decode``, with the same GELU (the erf of ``cpu_kernels``), run as
+one ``sgemv`` per row and weight, in place on the model's weights, takes 8-9 ms with the
+output projection (4-5 ms of it: 80 MB read per row). Rows that have finished are skipped;
+bigger batches amortise the packing and stay on MLX (the decoder's ``CPU_STEP_MAX_ROWS``).
+
+The prefill stays on MLX (but for a lone <|startoftranscript|>, which is a step); ``begin``
+copies the self-attention keys and values it wrote and views the cross-attention ones, so
+each step only appends its own column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import numpy.typing as npt
+
+from . import cpu_kernels
+from .blas import CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, CBLAS_TRANS, sgemv
+from .model import TextDecoder
+
+F32 = npt.NDArray[np.float32]
+LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, as the model's layers use
+
+
+def _numpy(a: mx.array) -> F32:
+    """A float32 numpy copy of an MLX array (weights are copied once, at load)."""
+    return np.array(a.astype(mx.float32), dtype=np.float32)
+
+
+def _view(a: mx.array) -> F32:
+    """The memory of an evaluated, row-contiguous float32 MLX array, without a copy."""
+    return np.asarray(memoryview(a))  # type: ignore[arg-type]  # mlx arrays are buffers
+
+
+def _horner(x: F32, coefficients: tuple[float, ...]) -> F32:
+    out = x * np.float32(coefficients[-1]) + np.float32(coefficients[-2])
+    for c in reversed(coefficients[:-2]):
+        out = out * x + np.float32(c)
+    return out
+
+
+def gelu(x: F32) -> F32:
+    """``cpu_kernels.gelu`` in numpy: the same rational erf, in float32."""
+    xc = np.clip(x * np.float32(0.7071067811865476), -cpu_kernels.ERF_CLAMP, cpu_kernels.ERF_CLAMP)
+    y = xc * xc
+    erf = np.clip(xc * _horner(y, cpu_kernels.ERF_P) / _horner(y, cpu_kernels.ERF_Q), -1.0, 1.0)
+    out: F32 = np.float32(0.5) * x * (np.float32(1.0) + erf)
+    return out
+
+
+def softmax(x: F32) -> F32:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    out: F32 = e / e.sum(axis=-1, keepdims=True)
+    return out
+
+
+@dataclass(frozen=True)
+class _LayerNorm:
+    weight: F32
+    bias: F32
+
+    def __call__(self, x: F32) -> F32:
+        d = x - x.mean(axis=-1, keepdims=True)
+        var = (d * d).mean(axis=-1, keepdims=True)
+        out: F32 = d / np.sqrt(var + np.float32(LAYER_NORM_EPS)) * self.weight + self.bias
+        return out
+
+
+class _Linear:
+    """``x @ weight.T + bias`` one row at a time: ``cblas_sgemv`` on the layer's own
+    (out, in) weight memory, no copy."""
+
+    def __init__(self, layer: nn.Linear, gemv: Callable[..., None]) -> None:
+        self.matrix = _view(layer.weight)
+        if self.matrix.dtype != np.float32 or not self.matrix.flags["C_CONTIGUOUS"]:
+            self.matrix = np.ascontiguousarray(_numpy(layer.weight))
+        self.bias = _numpy(layer.bias) if "bias" in layer else None
+        self.n_out, self.n_in = self.matrix.shape
+        self._pointer = self.matrix.ctypes.data
+        self._gemv = gemv
+
+    def __call__(self, x: F32) -> F32:
+        """(rows, in) -> (rows, out)."""
+        rows = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty((rows.shape[0], self.n_out), dtype=np.float32)
+        if self.bias is not None:
+            out[:] = self.bias
+        beta = 0.0 if self.bias is None else 1.0
+        for i in range(rows.shape[0]):
+            self._gemv(
+                CBLAS_ROW_MAJOR,
+                CBLAS_NO_TRANS,
+                self.n_out,
+                self.n_in,
+                1.0,
+                self._pointer,
+                self.n_in,
+                rows[i].ctypes.data,
+                1,
+                beta,
+                out[i].ctypes.data,
+                1,
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class _Attention:
+    query: _Linear
+    key: _Linear | None  # None for cross-attention: its keys and values come projected
+    value: _Linear | None
+    out: _Linear
+
+
+@dataclass(frozen=True)
+class _Block:
+    attn_ln: _LayerNorm
+    attn: _Attention
+    cross_ln: _LayerNorm
+    cross: _Attention
+    mlp_ln: _LayerNorm
+    mlp1: _Linear
+    mlp2: _Linear
+
+
+class CpuTokenStep:
+    """Token steps of one decode call: ``begin`` after the prefill, then ``forward`` per
+    step. Holds the self-attention caches of the rows it steps; the MLX caches the prefill
+    wrote are left as they were (the next prefill overwrites what it reads)."""
+
+    def __init__(self, decoder: TextDecoder, projection: F32, gemv: Callable[..., None]) -> None:
+        def norm(layer: nn.LayerNorm) -> _LayerNorm:
+            return _LayerNorm(_numpy(layer.weight), _numpy(layer.bias))
+
+        def linear(layer: nn.Linear) -> _Linear:
+            return _Linear(layer, gemv)
+
+        self._blocks = [
+            _Block(
+                attn_ln=norm(b.attn_ln),
+                attn=_Attention(
+                    linear(b.attn.query),
+                    linear(b.attn.key),
+                    linear(b.attn.value),
+                    linear(b.attn.out),
+                ),
+                cross_ln=norm(b.cross_attn_ln),
+                cross=_Attention(linear(b.cross_attn.query), None, None, linear(b.cross_attn.out)),
+                mlp_ln=norm(b.mlp_ln),
+                mlp1=linear(b.mlp1),
+                mlp2=linear(b.mlp2),
+            )
+            for b in decoder.blocks
+        ]
+        self._ln = norm(decoder.ln)
+        self._embedding = _view(decoder.token_embedding.weight)
+        self._positions = _numpy(decoder.positional_embedding)
+        self._projection = projection
+        self._gemv = gemv
+        self._n_head = decoder.blocks[0].attn.n_head
+        self._keys: list[F32] = []
+        self._values: list[F32] = []
+        self._cross: list[tuple[list[F32], list[F32]]] = []
+
+    @classmethod
+    def for_decoder(cls, decoder: TextDecoder, projection: F32 | None) -> CpuTokenStep | None:
+        """A step for this decoder, or None where it does not apply (no float32 projection
+        on the CPU, or no OpenBLAS to run matrix-vector products)."""
+        gemv = sgemv()
+        if projection is None or gemv is None:
+            return None
+        return cls(decoder, projection, gemv)
+
+    def begin(
+        self,
+        caches: list[tuple[mx.array, mx.array]],
+        columns: int,
+        cross: list[tuple[mx.array, mx.array]],
+        lengths: list[int],
+    ) -> None:
+        """Take over after a prefill that wrote ``columns`` columns of ``caches`` (none:
+        the steps start at column 0) for ``lengths`` rows' audio; each row's
+        cross-attention reads only its own audio positions."""
+        rows = len(lengths)
+        mx.eval(caches, cross)
+        n_ctx, state = self._positions.shape
+        shape = (rows, self._n_head, n_ctx, state // self._n_head)
+        self._keys = [np.empty(shape, np.float32) for _ in self._blocks]
+        self._values = [np.empty(shape, np.float32) for _ in self._blocks]
+        self._cross = []
+        for k, v in cross:
+            ks, vs = _view(k), _view(v)
+            self._cross.append(
+                (
+                    [ks[i, :, :n] for i, n in enumerate(lengths)],
+                    [vs[i, :, :n] for i, n in enumerate(lengths)],
+                )
+            )
+        if not columns:
+            return
+        for keys, values, (k, v) in zip(self._keys, self._values, caches, strict=True):
+            keys[:, :, :columns] = np.array(k[:rows, :, :columns], dtype=np.float32)
+            values[:, :, :columns] = np.array(v[:rows, :, :columns], dtype=np.float32)
+
+    def forward(
+        self,
+        rows: list[int],
+        tokens: npt.NDArray[np.int32],
+        positions: npt.NDArray[np.int32],
+        column: int,
+        valid: npt.NDArray[np.bool_],
+    ) -> F32:
+        """Logits (len(rows), vocab) after feeding each listed row its token at its
+        position, written at cache ``column``. ``tokens``, ``positions`` and ``valid`` are
+        indexed by row; a row attends to the columns ``valid`` allows it, and this one."""
+        return self.project(self.hidden(rows, tokens, positions, column, valid))
+
+    def hidden(
+        self,
+        rows: list[int],
+        tokens: npt.NDArray[np.int32],
+        positions: npt.NDArray[np.int32],
+        column: int,
+        valid: npt.NDArray[np.bool_],
+    ) -> F32:
+        """The final layer norm's output (len(rows), state) of ``forward``."""
+        h = self._n_head
+        n = len(rows)
+        # Consecutive rows (one row, or all of them) as a slice: views, not copies of caches.
+        sel: slice | list[int] = rows
+        if rows == list(range(rows[0], rows[0] + n)):
+            sel = slice(rows[0], rows[0] + n)
+        x = self._embedding[tokens[sel]] + self._positions[positions[sel]]
+        allowed = valid[sel, : column + 1].copy()
+        allowed[:, column] = True
+        self_bias = np.where(allowed, np.float32(0.0), np.float32(-np.inf))[:, None, :]
+        for block, keys, values, (cross_k, cross_v) in zip(
+            self._blocks, self._keys, self._values, self._cross, strict=True
+        ):
+            a = block.attn
+            y = block.attn_ln(x)
+            assert a.key is not None and a.value is not None
+            keys[sel, :, column] = a.key(y).reshape(n, h, -1)
+            values[sel, :, column] = a.value(y).reshape(n, h, -1)
+            q = a.query(y).reshape(n, h, -1, 1)
+            scale = np.float32(q.shape[2] ** -0.5)
+            k_used, v_used = keys[sel, :, : column + 1], values[sel, :, : column + 1]
+            weights = softmax((k_used @ q)[..., 0] * scale + self_bias)
+            x = x + a.out((weights[:, :, None, :] @ v_used).reshape(n, -1))
+            q = block.cross.query(block.cross_ln(x)).reshape(n, h, -1, 1)
+            mixed = np.empty_like(x)
+            for j, i in enumerate(rows):
+                w = softmax((cross_k[i] @ q[j])[..., 0] * scale)
+                mixed[j] = (w[:, None, :] @ cross_v[i]).reshape(-1)
+            x = x + block.cross.out(mixed)
+            x = x + block.mlp2(gelu(block.mlp1(block.mlp_ln(x))))
+        return self._ln(x)
+
+    def project(self, hidden: F32) -> F32:
+        """Vocabulary logits of normed hidden states (rows, state), one ``sgemv`` a row."""
+        n = hidden.shape[0]
+        state, vocab = self._projection.shape
+        out = np.empty((n, vocab), dtype=np.float32)
+        pointer = self._projection.ctypes.data
+        for j in range(n):
+            self._gemv(
+                CBLAS_ROW_MAJOR,
+                CBLAS_TRANS,
+                state,
+                vocab,
+                1.0,
+                pointer,
+                vocab,
+                hidden[j].ctypes.data,
+                1,
+                0.0,
+                out[j].ctypes.data,
+                1,
+            )
+        return out
