@@ -567,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peer", action="store_true", help="measure our server only")
     parser.add_argument("--clients", help="capacity stream counts, e.g. 1,2,4,6,8")
     parser.add_argument("--rss-audio-s", type=float, help="long-session audio (0: skip)")
+    parser.add_argument("--output", help="results name in bench/results/ (default: latency)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = LatencyConfig.quick() if args.quick else LatencyConfig()
@@ -576,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         config = replace(config, capacity_counts=tuple(int(x) for x in args.clients.split(",")))
     if args.rss_audio_s is not None:
         config = replace(config, rss_audio_s=args.rss_audio_s)
+    if args.output:
+        config = replace(config, output_name=args.output)
     started = time.perf_counter()
     results = asyncio.run(run(config))
     rows, headline = summarise(results)

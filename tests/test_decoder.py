@@ -476,6 +476,11 @@ def test_batched_rows_with_and_without_drafts_decode_as_without(
     assert spec[0].n_steps < plain[0].n_steps
     singles = [engine.decode_windows([w])[0] for w in windows]
     assert [r.tokens for r in spec] == [r.tokens for r in singles]
+    # Word times too: each row's alignment reads its own audio, not the batch's padding.
+    for one, many in zip(singles, plain, strict=True):
+        assert [w.word for w in many.words] == [w.word for w in one.words]
+        for a, b in zip(many.words, one.words, strict=True):
+            assert (a.start_s, a.end_s) == pytest.approx((b.start_s, b.end_s), abs=1e-6)
     # The rows of one batch in swapped order, each with its own output as the draft.
     swapped = [
         replace(w, request=replace(w.request, draft=r.sequence))

@@ -812,9 +812,7 @@ class StreamingDecoder:
                 if t < v.eot
             ]
             n_frames = min(row.n_audio, max(1, math.ceil(r.audio_s * AUDIO_TOKENS_PER_SECOND)))
-            words = tuple(
-                self._words(r, row.language, list(text_tokens), probs, cross, row.index, n_frames)
-            )
+            words = tuple(self._words(r, row, list(text_tokens), probs, cross, n_frames))
         return DecodeResult(
             tokens=text_tokens,
             text=text,
@@ -861,14 +859,14 @@ class StreamingDecoder:
     def _words(
         self,
         r: DecodeRequest,
-        language: str | None,
+        row: _Row,
         text_tokens: list[int],
         probs: list[float],
         cross: list[tuple[mx.array, mx.array]],
-        row: int,
         n_frames: int,
     ) -> list[WordTiming]:
         v = self.vocab
+        language = row.language
         heads = self._alignment_heads
         if not heads:
             return []
@@ -889,7 +887,9 @@ class StreamingDecoder:
         weights_per_layer: dict[int, mx.array] = {}
         last_layer = max(wanted_layers)
         for li, (block, (xk, xv)) in enumerate(zip(dec.blocks, cross, strict=True)):
-            xk_r, xv_r = xk[row : row + 1], xv[row : row + 1]
+            # The row's own audio positions: a batch pads shorter audio to the longest.
+            i, n = row.index, row.n_audio
+            xk_r, xv_r = xk[i : i + 1, :, :n], xv[i : i + 1, :, :n]
             if li == last_layer:
                 weights_per_layer[li] = block.cross_weights(x, causal, xk_r)[0]
                 break
