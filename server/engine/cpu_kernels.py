@@ -7,7 +7,8 @@ The encoder evaluates GELU over every (frame, 1536) activation and softmax over 
 on a 10 s window those two functions took 150 of the encoder's 250 ms
 (bench/results/decoder.json has the parts). These versions agree with the exact functions to
 a few float32 ulps, which ``tests/test_cpu_kernels.py`` checks against ``math.erf`` and
-float64 ``exp``.
+float64 ``exp``. Attention, the largest softmax, takes its exponentials from numpy instead
+(see ``attention``).
 
 ``mx.compile`` needs a C++ compiler on the CPU backend; without one MLX evaluates the same
 graph op by op: slower, not different.
@@ -16,6 +17,7 @@ graph op by op: slower, not different.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 # erf(x) = x * P(x^2) / Q(x^2) on |x| <= ERF_CLAMP: a weighted least-squares rational fit
 # (Sanathanan-Koerner iteration, then Lawson reweighting) to math.erf on 4000 Chebyshev
@@ -101,13 +103,21 @@ def attention(
 ) -> mx.array:
     """Attention over head-major (batch, head, time, state / head) arrays, with an additive
     mask (0 or -inf; every row keeps one key). The rows are normalised after multiplying by
-    the values, on (time, 64) instead of (time, time). A masked key gets weight 2^-126 of
-    the row's largest instead of 0: below float32's resolution of any row sum."""
+    the values, on (time, 64) instead of (time, time).
+
+    The exponentials are numpy's: its float32 ``exp`` is vectorised, about 0.5 ns an element
+    here, where the fused chain above takes about 7. On the 6 x 450 x 450 scores of a 9 s
+    window that is 2.2 ms a block against 9 (the encoder: 148 ms against 177); MLX computes
+    the products before and after.
+    """
     scores = (q * scale) @ k.transpose(0, 1, 3, 2)
     if mask is not None:
         scores = scores + mask
-    e = _unnormalized_softmax(scores)
-    return (e @ v) / mx.sum(e, axis=-1, keepdims=True)
+    e = np.array(scores, dtype=np.float32)
+    e -= e.max(axis=-1, keepdims=True)
+    np.exp(e, out=e)
+    total = mx.array(e.sum(axis=-1, keepdims=True))
+    return (mx.array(e) @ v) / total
 
 
 gelu = mx.compile(_gelu, shapeless=True)
