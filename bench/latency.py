@@ -96,7 +96,7 @@ class LatencyConfig:
 class Workload:
     latency: list[Stream]
     capacity: list[Stream]  # stream i is client i's audio
-    rss_session: Stream  # no reference words: only memory is measured
+    rss_session: Stream | None  # no reference words: only memory is measured; None: skipped
     offline_wer: dict[str, float]
 
 
@@ -134,7 +134,7 @@ def build_workload(config: LatencyConfig) -> Workload:
     while sum(r.seconds for r in picked) < config.rss_audio_s:
         picked.append(rows[k % len(rows)])
         k += 1
-    rss = plain_stream("rss_session", picked, pause_s=0.5)
+    rss = plain_stream("rss_session", picked, pause_s=0.5) if picked else None
     logger.info("workload ready in %.1f s", time.perf_counter() - started)
     del aligner
     gc.collect()
@@ -337,7 +337,7 @@ async def measure_server(
         sustained = [int(r["clients"]) for r in runs if r["sustained"]]
         out["capacity"] = {"runs": runs, "max_sustained_streams": max(sustained, default=0)}
 
-        if who.name == "ours" and config.rss_audio_s > 0:
+        if who.name == "ours" and work.rss_session is not None:
             out["rss_long_session"] = await long_session(who, server, work.rss_session, config)
     return out
 
