@@ -223,17 +223,6 @@ class CpuTokenStep:
         """Logits (len(rows), vocab) after feeding each listed row its token at its
         position, written at cache ``column``. ``tokens``, ``positions`` and ``valid`` are
         indexed by row; a row attends to the columns ``valid`` allows it, and this one."""
-        return self.project(self.hidden(rows, tokens, positions, column, valid))
-
-    def hidden(
-        self,
-        rows: list[int],
-        tokens: npt.NDArray[np.int32],
-        positions: npt.NDArray[np.int32],
-        column: int,
-        valid: npt.NDArray[np.bool_],
-    ) -> F32:
-        """The final layer norm's output (len(rows), state) of ``forward``."""
         h = self._n_head
         n = len(rows)
         # Consecutive rows (one row, or all of them) as a slice: views, not copies of caches.
@@ -264,9 +253,9 @@ class CpuTokenStep:
                 mixed[j] = (w[:, None, :] @ cross_v[i]).reshape(-1)
             x = x + block.cross.out(mixed)
             x = x + block.mlp2(gelu(block.mlp1(block.mlp_ln(x))))
-        return self._ln(x)
+        return self._project(self._ln(x))
 
-    def project(self, hidden: F32) -> F32:
+    def _project(self, hidden: F32) -> F32:
         """Vocabulary logits of normed hidden states (rows, state), one ``sgemv`` a row."""
         n = hidden.shape[0]
         state, vocab = self._projection.shape
