@@ -98,6 +98,23 @@ CBLAS_NO_TRANS = 111
 CBLAS_TRANS = 112
 
 
+def sgemv() -> Callable[..., None] | None:
+    """The preloaded OpenBLAS's ``cblas_sgemv`` with its argument types declared (so a call
+    costs a microsecond or two, not the ten that undeclared arguments take; pointers go as
+    ints); None when no OpenBLAS is loaded."""
+    if not _handle:
+        return None
+    gemv = getattr(_handle[0], "cblas_sgemv", None)
+    if gemv is None:
+        return None
+    if gemv.argtypes is None:
+        c_int, c_float, c_void_p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+        gemv.argtypes = [c_int, c_int, c_int, c_int, c_float, c_void_p, c_int]
+        gemv.argtypes += [c_void_p, c_int, c_float, c_void_p, c_int]
+        gemv.restype = None
+    return cast(Callable[..., None], gemv)
+
+
 def vector_matrix(
     x: npt.NDArray[np.float32], a: npt.NDArray[np.float32]
 ) -> npt.NDArray[np.float32] | None:
@@ -108,49 +125,30 @@ def vector_matrix(
     matrix even for a single row: for Whisper's output projection (51864 x 384, 80 MB) that
     costs 15-20 ms a token on our CPUs, where ``sgemv`` streams the matrix once in 5-6 ms.
     """
-    if not _handle or x.dtype != np.float32 or a.dtype != np.float32:
+    gemv = sgemv()
+    if gemv is None or x.dtype != np.float32 or a.dtype != np.float32:
         return None
     if not a.flags["C_CONTIGUOUS"] or x.ndim != 2 or a.ndim != 2 or x.shape[1] != a.shape[0]:
-        return None
-    gemv = getattr(_handle[0], "cblas_sgemv", None)
-    if gemv is None:
         return None
     rows = np.ascontiguousarray(x)
     k, n = a.shape
     out = np.empty((rows.shape[0], n), dtype=np.float32)
-    ptr = ctypes.c_void_p
     for i in range(rows.shape[0]):
         gemv(
-            ctypes.c_int(CBLAS_ROW_MAJOR),
-            ctypes.c_int(CBLAS_TRANS),
-            ctypes.c_int(k),
-            ctypes.c_int(n),
-            ctypes.c_float(1.0),
-            ptr(a.ctypes.data),
-            ctypes.c_int(n),
-            ptr(rows[i].ctypes.data),
-            ctypes.c_int(1),
-            ctypes.c_float(0.0),
-            ptr(out[i].ctypes.data),
-            ctypes.c_int(1),
+            CBLAS_ROW_MAJOR,
+            CBLAS_TRANS,
+            k,
+            n,
+            1.0,
+            a.ctypes.data,
+            n,
+            rows[i].ctypes.data,
+            1,
+            0.0,
+            out[i].ctypes.data,
+            1,
         )
     return out
-
-
-def sgemv() -> Callable[..., None] | None:
-    """The preloaded OpenBLAS's ``cblas_sgemv`` with its argument types declared (so a call
-    costs a microsecond or two, not the ten that undeclared arguments take); None when no
-    OpenBLAS is loaded. Arguments as ``vector_matrix`` passes them, pointers as ints."""
-    if not _handle:
-        return None
-    gemv = getattr(_handle[0], "cblas_sgemv", None)
-    if gemv is None:
-        return None
-    c_int, c_float, c_void_p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-    gemv.argtypes = [c_int, c_int, c_int, c_int, c_float, c_void_p, c_int]
-    gemv.argtypes += [c_void_p, c_int, c_float, c_void_p, c_int]
-    gemv.restype = None
-    return cast(Callable[..., None], gemv)
 
 
 def import_mlx() -> ModuleType:

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import cpu_kernels
-from .blas import CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, CBLAS_TRANS, sgemv
+from .blas import CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, sgemv, vector_matrix
 from .model import TextDecoder
 
 F32 = npt.NDArray[np.float32]
@@ -115,19 +115,15 @@ class _Linear:
 
 
 @dataclass(frozen=True)
-class _Attention:
-    query: _Linear
-    key: _Linear | None  # None for cross-attention: its keys and values come projected
-    value: _Linear | None
-    out: _Linear
-
-
-@dataclass(frozen=True)
 class _Block:
     attn_ln: _LayerNorm
-    attn: _Attention
+    query: _Linear
+    key: _Linear
+    value: _Linear
+    out: _Linear
     cross_ln: _LayerNorm
-    cross: _Attention
+    cross_query: _Linear  # cross-attention keys and values come projected (``begin``)
+    cross_out: _Linear
     mlp_ln: _LayerNorm
     mlp1: _Linear
     mlp2: _Linear
@@ -148,14 +144,13 @@ class CpuTokenStep:
         self._blocks = [
             _Block(
                 attn_ln=norm(b.attn_ln),
-                attn=_Attention(
-                    linear(b.attn.query),
-                    linear(b.attn.key),
-                    linear(b.attn.value),
-                    linear(b.attn.out),
-                ),
+                query=linear(b.attn.query),
+                key=linear(b.attn.key),
+                value=linear(b.attn.value),
+                out=linear(b.attn.out),
                 cross_ln=norm(b.cross_attn_ln),
-                cross=_Attention(linear(b.cross_attn.query), None, None, linear(b.cross_attn.out)),
+                cross_query=linear(b.cross_attn.query),
+                cross_out=linear(b.cross_attn.out),
                 mlp_ln=norm(b.mlp_ln),
                 mlp1=linear(b.mlp1),
                 mlp2=linear(b.mlp2),
@@ -166,7 +161,6 @@ class CpuTokenStep:
         self._embedding = _view(decoder.token_embedding.weight)
         self._positions = _numpy(decoder.positional_embedding)
         self._projection = projection
-        self._gemv = gemv
         self._n_head = decoder.blocks[0].attn.n_head
         self._keys: list[F32] = []
         self._values: list[F32] = []
@@ -236,44 +230,21 @@ class CpuTokenStep:
         for block, keys, values, (cross_k, cross_v) in zip(
             self._blocks, self._keys, self._values, self._cross, strict=True
         ):
-            a = block.attn
             y = block.attn_ln(x)
-            assert a.key is not None and a.value is not None
-            keys[sel, :, column] = a.key(y).reshape(n, h, -1)
-            values[sel, :, column] = a.value(y).reshape(n, h, -1)
-            q = a.query(y).reshape(n, h, -1, 1)
+            keys[sel, :, column] = block.key(y).reshape(n, h, -1)
+            values[sel, :, column] = block.value(y).reshape(n, h, -1)
+            q = block.query(y).reshape(n, h, -1, 1)
             scale = np.float32(q.shape[2] ** -0.5)
             k_used, v_used = keys[sel, :, : column + 1], values[sel, :, : column + 1]
             weights = softmax((k_used @ q)[..., 0] * scale + self_bias)
-            x = x + a.out((weights[:, :, None, :] @ v_used).reshape(n, -1))
-            q = block.cross.query(block.cross_ln(x)).reshape(n, h, -1, 1)
+            x = x + block.out((weights[:, :, None, :] @ v_used).reshape(n, -1))
+            q = block.cross_query(block.cross_ln(x)).reshape(n, h, -1, 1)
             mixed = np.empty_like(x)
             for j, i in enumerate(rows):
                 w = softmax((cross_k[i] @ q[j])[..., 0] * scale)
                 mixed[j] = (w[:, None, :] @ cross_v[i]).reshape(-1)
-            x = x + block.cross.out(mixed)
+            x = x + block.cross_out(mixed)
             x = x + block.mlp2(gelu(block.mlp1(block.mlp_ln(x))))
-        return self._project(self._ln(x))
-
-    def _project(self, hidden: F32) -> F32:
-        """Vocabulary logits of normed hidden states (rows, state), one ``sgemv`` a row."""
-        n = hidden.shape[0]
-        state, vocab = self._projection.shape
-        out = np.empty((n, vocab), dtype=np.float32)
-        pointer = self._projection.ctypes.data
-        for j in range(n):
-            self._gemv(
-                CBLAS_ROW_MAJOR,
-                CBLAS_TRANS,
-                state,
-                vocab,
-                1.0,
-                pointer,
-                vocab,
-                hidden[j].ctypes.data,
-                1,
-                0.0,
-                out[j].ctypes.data,
-                1,
-            )
-        return out
+        logits = vector_matrix(self._ln(x), self._projection)
+        assert logits is not None  # the step exists only where sgemv does
+        return logits

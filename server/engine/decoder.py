@@ -258,8 +258,8 @@ class StreamingDecoder:
         self._cache_batch = 0
         on_cpu = mx.default_device() == mx.cpu
         self._projection = model.decoder.projection_array() if on_cpu else None
-        # Token steps of one or two rows in numpy (see ``cpu_step``), where the CPU kernels
-        # are on: it computes GELU as they do.
+        # Token steps of up to CPU_STEP_MAX_ROWS rows in numpy (see ``cpu_step``), where the
+        # CPU kernels are on: it computes GELU as they do.
         cpu = on_cpu and model.encoder.cpu_kernels_enabled
         self._cpu_step = CpuTokenStep.for_decoder(model.decoder, self._projection) if cpu else None
 
@@ -567,7 +567,7 @@ class StreamingDecoder:
         flat = sot_rows + [ends[i] + j for i, j in picks]
         unique = sorted(set(flat))
         table = self._logits(hidden[mx.array(unique)])
-        both = table[[unique.index(r) for r in flat]]
+        both = table[np.searchsorted(unique, flat)]
         no_speech = softmax(both[:b])[:, v.no_speech]
         logits = both[b:]
         while picks:
@@ -601,13 +601,14 @@ class StreamingDecoder:
         no draft (a session's first decode): one numpy step at column 0, whose logits give
         both the no-speech probability and the first token."""
         b = len(rows)
+        valid = np.ones((b, self.dims.n_text_ctx), dtype=np.bool_)
         cpu_step.begin([], 0, cross, lengths)
         logits = cpu_step.forward(
             list(range(b)),
             np.array([row.prompt.tokens[0] for row in rows], dtype=np.int32),
             np.zeros(b, dtype=np.int32),
             0,
-            np.ones((b, self.dims.n_text_ctx), dtype=np.bool_),
+            valid,
         )
         no_speech = softmax(logits)[:, self.vocab.no_speech]
         next_tokens = np.full(b, self.vocab.eot, dtype=np.int32)
@@ -616,7 +617,7 @@ class StreamingDecoder:
             token = self._take(row, logits[i])
             if not row.done:
                 next_tokens[i] = token
-        return next_tokens, np.ones((b, self.dims.n_text_ctx), dtype=np.bool_), 1
+        return next_tokens, valid, 1
 
     def _step_loop(
         self,
@@ -636,9 +637,10 @@ class StreamingDecoder:
             positions = np.array([row.length for row in rows], dtype=np.int32)
             if cpu_step is not None:
                 active = [i for i, row in enumerate(rows) if not row.done]
-                stepped = cpu_step.forward(active, next_tokens, positions, offset, valid)
-                logits = np.zeros((len(rows), stepped.shape[1]), dtype=np.float32)
-                logits[active] = stepped
+                logits = cpu_step.forward(active, next_tokens, positions, offset, valid)
+                if len(active) < len(rows):  # rows that are done read no logits
+                    stepped, logits = logits, np.empty((len(rows), logits.shape[1]), np.float32)
+                    logits[active] = stepped
             else:
                 mask = np.where(valid[:, None, None, : offset + 1], 0.0, NEG_INF)
                 logits, caches = self._forward(

@@ -192,25 +192,24 @@ class ResidualAttentionBlock(nn.Module):
         want_cross_weights: bool,
     ) -> tuple[mx.array, mx.array | None]:
         """Decoder block over a whole sequence without a cache (the word-alignment pass)."""
-        a = self.attn
-        h = self.attn_ln(x)
-        k, v = split_heads(a.key(h), a.n_head), split_heads(a.value(h), a.n_head)
-        x = x + a.out(self._attend(a.query(h), k, v, mask))
-        c = self.cross_attn
-        q = c.query(self.cross_attn_ln(x))
+        x, q = self._self_then_cross_query(x, mask)
         weights = attention_weights(q, cross_k, None, self._softmax) if want_cross_weights else None
-        x = x + c.out(self._attend(q, cross_k, cross_v, None))
+        x = x + self.cross_attn.out(self._attend(q, cross_k, cross_v, None))
         return x + self.mlp(x), weights
 
     def cross_weights(self, x: mx.array, mask: mx.array, cross_k: mx.array) -> mx.array:
         """Only the cross-attention weights of ``decode_full``: for the last layer the
         alignment reads, whose output nothing uses."""
+        _, q = self._self_then_cross_query(x, mask)
+        return attention_weights(q, cross_k, None, self._softmax)
+
+    def _self_then_cross_query(self, x: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
+        """Masked self-attention over the whole sequence, then the cross-attention queries."""
         a = self.attn
         h = self.attn_ln(x)
         k, v = split_heads(a.key(h), a.n_head), split_heads(a.value(h), a.n_head)
         x = x + a.out(self._attend(a.query(h), k, v, mask))
-        q = self.cross_attn.query(self.cross_attn_ln(x))
-        return attention_weights(q, cross_k, None, self._softmax)
+        return x, self.cross_attn.query(self.cross_attn_ln(x))
 
 
 class AudioEncoder(nn.Module):
