@@ -14,7 +14,9 @@ How text is produced:
   the window has enough audio around them. Committed words go out at once as a ``final``;
   the rest goes out as a ``partial``.
 - The window is cut after a committed word that ends a sentence, and at the last committed
-  word when it grows past ``max_window_s``; committed text before the cut is the prompt.
+  word when it grows past ``max_window_s``; committed text before the cut is the prompt. The
+  new window starts at the last ``cut_carry_words`` committed words and hears them again as
+  its forced prefix, so a word that starts near the cut is never lost.
 - At the end of speech, on ``flush`` and on ``end``, the window is decoded once more and
   everything left is committed.
 """
@@ -94,6 +96,7 @@ class _Segment:
     decoded_to: int = 0  # end sample of the last decode's window
     committed: list[Word] = field(default_factory=list)  # committed in the current window
     committed_tokens: list[int] = field(default_factory=list)
+    prompted_tokens: int = 0  # leading committed_tokens already in the session's prompt
     policy: CommitPolicy = field(default_factory=CommitPolicy)
     tentative: list[Word] = field(default_factory=list)
     draft: tuple[int, ...] = ()  # DecodeResult.sequence of the window's last decode
@@ -464,10 +467,12 @@ class Session:
             )
         )
 
-    def _cut(self, seg: _Segment, at: int) -> None:
-        """Start a new window at ``at``; committed text of the old one becomes the prompt."""
-        self._prompt.extend(seg.committed_tokens)
-        self._prompt = self._prompt[-self.streaming.prompt_max_tokens * 2 :]
+    def _cut(self, seg: _Segment, at: int, *, carry: int = 0) -> None:
+        """Start a new window at ``at``; committed text of the old one becomes the prompt.
+
+        ``carry``: how many of the last committed words the new window keeps as its forced
+        prefix (see ``_cut_point``); they are final already and not sent again."""
+        self._release_to_prompt(seg)
         start = max(seg.window_start, min(at, seg.end if seg.end is not None else at))
         heard = max(seg.window_start, min(start, seg.heard_to))
         self._transcribed_samples += heard - seg.window_start
@@ -479,12 +484,39 @@ class Session:
         seg.decoded_to = max(seg.decoded_to, seg.window_start)
         seg.heard_to = max(seg.heard_to, seg.window_start)
         seg.before_cut = seg.committed[-CUT_OVERLAP_WORDS:]
-        seg.committed.clear()
-        seg.committed_tokens.clear()
+        seg.committed = seg.committed[len(seg.committed) - carry :] if carry else []
+        seg.committed_tokens = [t for w in seg.committed for t in w.tokens]
+        seg.prompted_tokens = len(seg.committed_tokens)
         seg.policy.reset()
         seg.tentative = []
         seg.draft = ()
         self._trim()
+
+    def _release_to_prompt(self, seg: _Segment) -> None:
+        """The window's committed tokens become context for the windows after it (those a cut
+        carried into this window are there already)."""
+        self._prompt.extend(seg.committed_tokens[seg.prompted_tokens :])
+        self._prompt = self._prompt[-self.streaming.prompt_max_tokens * 2 :]
+        seg.prompted_tokens = len(seg.committed_tokens)
+
+    def _cut_point(self, seg: _Segment, limit: int) -> tuple[int, int]:
+        """Where a cut after the committed words goes, and how many words it carries.
+
+        At the start of the ``cut_carry_words``-th last committed word with letters; the new
+        window keeps the words from there as its forced prefix. A word's end is only the
+        alignment's estimate, and a cut at the last one lands in the next word often enough
+        to lose it (LJ long, cuts at max_window_s: 13 of 14 lost or garbled the word after).
+        Fewer words when that start is not inside the window; none, at the end of the last
+        word, when no word's start is."""
+        words = seg.committed
+        end = min(round(words[-1].end_s * SAMPLE_RATE_HZ), limit) if words else limit
+        spoken = [i for i, w in enumerate(words) if normalize_word(w.text)]
+        n = self.streaming.cut_carry_words
+        for k in spoken[max(0, len(spoken) - n) :] if n else []:
+            start = round(words[k].start_s * SAMPLE_RATE_HZ)
+            if seg.window_start < start <= limit and all(w.tokens for w in words[k:]):
+                return start, len(words) - k
+        return end, 0
 
     def _maybe_cut(self, seg: _Segment) -> None:
         """Cut after a committed sentence end, or a clause end once the window is long: short
@@ -503,7 +535,8 @@ class Session:
         if (text.endswith(SENTENCE_END) and window_s >= c.sentence_cut_s) or (
             text.endswith(CLAUSE_END) and window_s >= c.clause_cut_s
         ):
-            self._cut(seg, at)
+            at, carry = self._cut_point(seg, max(at, seg.heard_to))
+            self._cut(seg, at, carry=carry)
 
     def _cut_before_unheard_tail(self, seg: _Segment) -> bool:
         """After a closing decode: when its words end well before the segment does, cut at
@@ -517,14 +550,13 @@ class Session:
         last = seg.committed[-1]
         if seg.end - round(last.end_s * SAMPLE_RATE_HZ) < TAIL_RETRY_S * SAMPLE_RATE_HZ:
             return False
-        # The cut goes at the start of the last word, not its end: a word before an early end
-        # of text tends to be given the time of the silence or speech after it, and the words
-        # under that time would be skipped. The new window hears the last word again; the
-        # repeat is dropped (_drop_repeat_of_cut).
-        at = round(last.start_s * SAMPLE_RATE_HZ)
-        if at <= seg.window_start:
+        # The cut goes at the start of the last word, not its end (_cut_point): a word before
+        # an early end of text tends to be given the time of the silence or speech after it,
+        # and the words under that time would be skipped.
+        at, carry = self._cut_point(seg, seg.end)
+        if not carry:
             return False
-        self._cut(seg, at)
+        self._cut(seg, at, carry=carry)
         return True
 
     def _force_cut(self, seg: _Segment, limit: int) -> None:
@@ -538,11 +570,11 @@ class Session:
         if not seg.committed and seg.tentative:
             self._commit(seg, seg.policy.finalize())
         heard = min(seg.heard_to, limit)
-        at = round(seg.committed[-1].end_s * SAMPLE_RATE_HZ) if seg.committed else heard
+        at, carry = self._cut_point(seg, heard)
         if at <= seg.window_start:
-            at = heard
-        if min(at, heard) > seg.window_start:
-            self._cut(seg, min(at, heard))
+            at, carry = heard, 0
+        if at > seg.window_start:
+            self._cut(seg, at, carry=carry)
 
     def _finish_segment_if_closed(self, seg: _Segment, *, decoded: bool) -> None:
         """Retire a closed segment. ``decoded``: its last window was decoded to the end (else
@@ -552,8 +584,7 @@ class Session:
         heard = seg.end if decoded else max(seg.window_start, min(seg.heard_to, seg.end))
         self._transcribed_samples += heard - seg.window_start
         self._failed_samples += seg.end - heard
-        self._prompt.extend(seg.committed_tokens)
-        self._prompt = self._prompt[-self.streaming.prompt_max_tokens * 2 :]
+        self._release_to_prompt(seg)
         if self._last_partial is not None and self._last_partial[1]:
             self._events.append(
                 PartialMessage(

@@ -197,6 +197,32 @@ def test_short_clips_stream_as_accurately_as_offline(
     )
 
 
+# Long sentences with no pause to cut in: at a 4 s window every cut lands inside speech.
+CUT_CLIPS = [f"ljspeech/LJ001-00{n}.wav" for n in ("01", "03", "14", "27")]
+
+
+def test_cuts_inside_speech_lose_no_words(
+    engine: Engine, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    """Measured when this was written: streamed 4 errors, offline 5; cutting at the last
+    word's end (``cut_carry_words=0``) gave 17, 15 of them words lost at the cuts."""
+    refs = {r.file: r.transcript for r in manifest}
+    config = StreamingConfig(max_window_s=4.0, clause_cut_s=4.0)
+    streamed, offline = [], []
+    for name in CUT_CLIPS:
+        audio = load_clip(speech_dir / name)
+        streamed.append(
+            simulate(engine, audio, streaming=config, decode_cost_s=modelled_cost_s).text
+        )
+        offline.append(transcribe_audio(engine, audio).text)
+    references = [refs[name] for name in CUT_CLIPS]
+    streamed_wer, offline_wer = wer(references, streamed), wer(references, offline)
+    assert streamed_wer <= offline_wer + ACCURACY_MARGIN_POINTS / 100, (
+        f"streamed {streamed_wer:.3f} vs offline {offline_wer:.3f}",
+        list(zip(streamed, offline, strict=True)),
+    )
+
+
 @pytest.mark.parametrize("kind", ["silence", "noise"])
 def test_no_words_after_the_last_speech(engine: Engine, speech_dir: Path, kind: str) -> None:
     clip = load_clip(speech_dir / "ljspeech" / "LJ001-0010.wav")
@@ -437,6 +463,35 @@ class EarlyEndEngine(ScriptedEngine):
         return dataclasses.replace(
             full, words=words, tokens=tuple(t for w in words for t in w.tokens)
         )
+
+
+def test_a_cut_hears_its_last_committed_words_again_as_the_prefix(speech_dir: Path) -> None:
+    """A cut inside speech starts the new window at the last committed words, forced as its
+    prefix: a cut at the last word's estimated end can land inside the next word and lose
+    it. The carried words are final already and are not sent again."""
+    engine = ScriptedEngine()
+    config = StreamingConfig(max_window_s=4.0, clause_cut_s=4.0)
+    session = Session("cuts", streaming=config)
+    clip = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
+    pcm = pcm_s16le_bytes(clip[: 20 * SAMPLE_RATE_HZ])
+    finals: list[FinalMessage] = []
+    cuts = 0
+    last_start = -1.0
+    for i in range(0, len(pcm), 3_200):  # 0.1 s chunks, each decode answered at once
+        session.receive_audio(pcm[i : i + 3_200])
+        while (job := session.next_job()) is not None:
+            if job.start_s > last_start >= 0 and finals:
+                cuts += 1
+                carried = [w for f in finals for w in f.words][-config.cut_carry_words :]
+                assert job.request.prefix == engine.encode_text(" ".join(w.word for w in carried))
+                assert job.start_s == pytest.approx(carried[0].start, abs=1e-3)
+            last_start = job.start_s
+            session.receive_result(job, _scripted_decode(engine, job))
+            finals += [e for e in session.events_to_send() if isinstance(e, FinalMessage)]
+    assert cuts >= 3
+    words = [w for f in finals for w in f.words]
+    for a, b in pairwise(words):  # no word sent twice, none skipped
+        assert a.end <= b.start + 1e-6 and b.start - a.end < ScriptedEngine.WORD_S, (a, b)
 
 
 def test_speech_after_an_early_end_of_text_is_decoded_again(speech_dir: Path) -> None:
