@@ -257,6 +257,11 @@ class Pipeline:
         return self.capacity.stream_hop_s(self._streams)
 
     @property
+    def crowded(self) -> bool:
+        """More streams than lanes: each lane decodes several streams' windows in turn."""
+        return self._streams > self.lanes
+
+    @property
     def queued(self) -> int:
         """Windows waiting for a lane."""
         return len(self._heap)
@@ -647,7 +652,9 @@ class StreamDriver:
             return
         self._flush()
         if self._decoding is None:
-            job = self.session.next_job(min_hop_s=self.pipeline.stream_hop_s())
+            job = self.session.next_job(
+                min_hop_s=self.pipeline.stream_hop_s(), crowded=self.pipeline.crowded
+            )
             if job is not None:
                 self._decoding = asyncio.create_task(
                     self._decode(job), name=f"decode-{self.session.session_id}-{job.job_id}"

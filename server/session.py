@@ -281,12 +281,13 @@ class Session:
         self._buffer.trim(keep_from)
 
     # -- decode jobs ---------------------------------------------------------------------
-    def next_job(self, *, min_hop_s: float = 0.0) -> DecodeJob | None:
+    def next_job(self, *, min_hop_s: float = 0.0, crowded: bool = False) -> DecodeJob | None:
         """The next window to decode, or None (one job per session is in flight at most).
 
         ``min_hop_s``: the scheduler's floor on the new audio a decode waits for, raised as
         the server gets busier (``Pipeline.stream_hop_s``); the session's own cadence applies
-        when it is higher. Closing decodes never wait.
+        when it is higher. Closing decodes never wait. ``crowded``: streams outnumber the
+        decode lanes, and windows are capped at ``crowded_max_window_s``.
         """
         if self._in_flight is not None or not self._segments:
             return None
@@ -306,7 +307,9 @@ class Session:
             need_s = max(need_ms / 1000, min_hop_s)
             if new < need_s * SAMPLE_RATE_HZ:
                 return None
-        max_window = int(self.streaming.max_window_s * SAMPLE_RATE_HZ)
+        c = self.streaming
+        max_window_s = min(c.max_window_s, c.crowded_max_window_s) if crowded else c.max_window_s
+        max_window = int(max_window_s * SAMPLE_RATE_HZ)
         if end - seg.window_start > max_window:
             self._force_cut(seg, seg.window_start + max_window)
             end = seg.end if closing and seg.end is not None else self._buffer.end
@@ -317,7 +320,7 @@ class Session:
             # may have been the last thing ``done`` waited for.
             self._finish_segment_if_closed(seg, decoded=True)
             self._maybe_done()
-            return self.next_job()
+            return self.next_job(min_hop_s=min_hop_s, crowded=crowded)
         audio = self._buffer.slice(seg.window_start, end)
         job = DecodeJob(
             session_id=self.session_id,

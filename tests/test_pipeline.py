@@ -193,10 +193,13 @@ async def test_the_hop_grows_with_the_streams_open() -> None:
     await pipeline.start(lambda: engine)
     try:
         hops = []
+        crowded = []
         for _ in range(4):
             pipeline.add_stream()
             hops.append(pipeline.stream_hop_s())
+            crowded.append(pipeline.crowded)
         assert hops == sorted(hops) and hops[0] > 0
+        assert crowded == [False, True, True, True]  # one lane: a second stream shares it
         # One stream's round is one call on one window, over the planned utilization.
         assert hops[0] == pytest.approx(
             (0.05 + 0.1) / pipeline.config.capacity_utilization, rel=0.5

@@ -494,6 +494,23 @@ def test_a_cut_hears_its_last_committed_words_again_as_the_prefix(speech_dir: Pa
         assert a.end <= b.start + 1e-6 and b.start - a.end < ScriptedEngine.WORD_S, (a, b)
 
 
+@pytest.mark.parametrize("crowded", [False, True])
+def test_a_crowded_server_caps_the_window(speech_dir: Path, crowded: bool) -> None:
+    engine = ScriptedEngine()
+    config = StreamingConfig()
+    session = Session("crowded", streaming=config)
+    clip = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
+    pcm = pcm_s16le_bytes(clip[: 40 * SAMPLE_RATE_HZ])
+    longest = 0.0
+    for i in range(0, len(pcm), 3_200):
+        session.receive_audio(pcm[i : i + 3_200])
+        while (job := session.next_job(crowded=crowded)) is not None:
+            longest = max(longest, job.audio_s)
+            session.receive_result(job, _scripted_decode(engine, job))
+    cap = config.crowded_max_window_s if crowded else config.max_window_s
+    assert cap - 1.0 < longest <= cap + 1e-6
+
+
 def test_speech_after_an_early_end_of_text_is_decoded_again(speech_dir: Path) -> None:
     engine = EarlyEndEngine()
     session = Session("early")
