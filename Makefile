@@ -9,26 +9,16 @@ PORT ?= 8765
 MODEL ?= tiny.en
 PYTEST_ARGS ?=
 
-.PHONY: system-libs install run test lint browser bench bench-engine bench-decoder bench-streaming bench-capacity clean
+.PHONY: install run test lint browser haproxy bench bench-engine bench-decoder bench-streaming bench-capacity clean
 .PHONY: peer bench-latency bench-accuracy
 
 install: $(STAMP)
 
-# lightning-whisper-mlx goes in a second, --no-deps step: its metadata pins torch,
-# tiktoken==0.3.3, numba, scipy and huggingface-hub, none of which we run (README explains).
-$(STAMP): pyproject.toml
-	@$(MAKE) --no-print-directory system-libs
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m pip install -q --no-deps 'lightning-whisper-mlx==0.0.10'
+# One install recipe for this machine and the container image (deploy/Dockerfile): libgfortran5,
+# the venv, the package with its extras, lightning-whisper-mlx without its pins.
+$(STAMP): pyproject.toml deploy/install.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) bash deploy/install.sh dev
 	touch $(STAMP)
-
-# OpenBLAS from cmeel-openblas links libgfortran.so.5, which Debian ships as libgfortran5.
-system-libs:
-	@ldconfig -p | grep -q 'libgfortran.so.5 ' || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgfortran5 >/dev/null; \
-	  else echo "WARNING: libgfortran5 missing (sudo apt-get install libgfortran5); CPU decoding will be ~20x slower"; fi; }
 
 run: $(STAMP)
 	$(VENV)/bin/whisperwire-server --host $(HOST) --port $(PORT) --model $(MODEL)
@@ -39,7 +29,14 @@ browser:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium missing: sudo apt-get install chromium (browser tests will be skipped)"; fi; }
 
-test: $(STAMP) browser
+# Debian's HAProxy for the load-balancer tests (tests/test_deploy_haproxy.py); under CI they
+# fail without it, elsewhere they are skipped.
+haproxy:
+	@command -v haproxy >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; \
+	  else echo "haproxy missing: sudo apt-get install haproxy (load-balancer tests will be skipped)"; fi; }
+
+test: $(STAMP) browser haproxy
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)

@@ -3,9 +3,15 @@ a file in-process.
 
     whisperwire stream FILE|- [--url URL] [--pace 1.0] [--format live|text|jsonl|srt|vtt]
                               [--token KEY] [--language en] [--task transcribe] [--stats]
+                              [--retries 5]
                               [--sample-rate 16000 --encoding pcm_s16le]   (stdin only)
     whisperwire listen [--url URL] [--format ...] [--token KEY] [--language ...] [--stats]
+                       [--retries 5]
     whisperwire transcribe FILE [--model tiny.en] [--language en] [--task transcribe]
+
+A server that shuts down, is full or drops the connection mid-stream is connected to again
+with backoff (behind a load balancer: another instance), and the audio goes on from where
+it stopped taking it, on one timeline (``client.reconnect``); ``--retries 0`` turns that off.
 
 Exit status: 0 done; 1 no connection or the stream failed; 2 bad usage, an unreadable source
 or no microphone; 130 interrupted. The first Ctrl-C while streaming ends the audio early and
@@ -21,6 +27,7 @@ import os
 import signal
 import sys
 
+from client.reconnect import RetryPolicy, stream_with_reconnect
 from client.render import FORMATS, Renderer, format_stats, make_renderer
 from client.sources import (
     DEFAULT_CHUNK_MS,
@@ -30,7 +37,7 @@ from client.sources import (
     SourceError,
     StdinSource,
 )
-from client.stream import DEFAULT_URL, ClientError, StreamResult, stream_audio
+from client.stream import DEFAULT_URL, ClientError, StreamResult
 from server.errors import ModelError, WhisperwireError
 from server.formats import ENCODINGS, SAMPLE_RATE_HZ, TASKS
 
@@ -95,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     net.add_argument(
         "--chunk-ms", type=_positive_int, default=DEFAULT_CHUNK_MS, help="default: %(default)s"
+    )
+    net.add_argument(
+        "--retries",
+        type=_non_negative_int,
+        default=RetryPolicy().max_retries,
+        help="connect again this many times in a row when the server goes away, is full or "
+        "the connection drops, resuming the audio; 0: never (default: %(default)s)",
     )
 
     parser = argparse.ArgumentParser(
@@ -162,6 +176,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0; got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0; got {value}")
     return value
 
 
@@ -258,15 +279,17 @@ async def _stream_async(
     except (NotImplementedError, RuntimeError):  # Windows event loops, or not the main thread
         logger.debug("no SIGINT handler: Ctrl-C aborts at once")
     try:
-        return await stream_audio(
+        resumed = await stream_with_reconnect(
             args.url,
             source,
+            retry=RetryPolicy(max_retries=args.retries),
             pace=pace,
             token=args.token,
             language=args.language,
             task=args.task,
             on_message=renderer.on_message,
         )
+        return resumed.result
     finally:
         loop.remove_signal_handler(signal.SIGINT)
 

@@ -74,7 +74,15 @@ class ClientError(WhisperwireError):
 
 
 class ConnectError(ClientError):
-    """No WebSocket session: connection refused, bad URL, or the handshake was refused."""
+    """No WebSocket session: connection refused, bad URL, or the handshake was refused.
+
+    ``status`` is the HTTP status of a refused handshake (503: not ready or draining), None
+    when no HTTP answer came.
+    """
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class StreamFailed(ClientError):
@@ -286,7 +294,9 @@ async def _connect(
         status = exc.response.status_code
         body = exc.response.body.decode("utf-8", "replace").strip().splitlines()
         detail = f": {body[0][:200]}" if body else ""
-        raise ConnectError(f"{shown_url} refused the connection: HTTP {status}{detail}") from exc
+        raise ConnectError(
+            f"{shown_url} refused the connection: HTTP {status}{detail}", status=status
+        ) from exc
     except (TimeoutError, asyncio.TimeoutError) as exc:  # distinct classes before 3.11
         raise ConnectError(f"cannot connect to {shown_url}: timed out") from exc
     except (OSError, InvalidHandshake) as exc:
@@ -433,7 +443,8 @@ class _StreamRun:
         elif self._ws.close_code is not None:
             code, reason = self._ws.close_code, self._ws.close_reason
         if code is None:
-            return StreamFailed(f"the connection was lost before {before}")
+            # 1006: what RFC 6455 reports for a connection that ended without a close frame.
+            return StreamFailed(f"the connection was lost before {before}", close_code=1006)
         meaning = _CLOSE_REASONS.get(code)
         what = f"code {code} {meaning}" if meaning else f"code {code}"
         what += f": {reason}" if reason else ""

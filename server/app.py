@@ -11,6 +11,12 @@ when as many are open as the decode lanes are measured to keep in real time
 (``Pipeline.capacity``; ``ServerConfig.capacity_limit``). The check reads the model's current
 estimate and never waits on the decode lanes; ``/readyz`` says 503 while the server is full.
 
+Shutdown (``run_server``): SIGTERM first drains, when ``ServerConfig.drain_s`` is above 0:
+``/readyz`` says 503 ``draining`` and new streams are refused with HTTP 503, so a load
+balancer sends them to another instance, while the open sessions are served as usual until
+they have all ended or ``drain_s`` has passed. Then, as on SIGINT, the rest are finished
+(finals, ``done``, close 1001). Any further signal drops the open connections at once.
+
 The server keeps only the set of open connections, to finish them on shutdown, to count them
 for admission and to report the largest lag; everything about one client lives on its
 ``Connection`` and ``Session``.
@@ -75,12 +81,16 @@ class WhisperwireServer:
         self._port: int | None = None
         self._loading: asyncio.Task[SpeechEngine] | None = None
         self._closing = False
+        self._draining = False
         self._closed: asyncio.Event | None = None
+        self._no_connections = asyncio.Event()  # drain() awaits it
+        self._no_connections.set()
         self.metrics.stream_lag_s.set_function(self._largest_lag_s)
         self.metrics.capacity_streams.set_function(lambda: self.capacity_streams)
         self.metrics.capacity_headroom_streams.set_function(
             lambda: self.capacity_streams - self.active_sessions
         )
+        self.metrics.draining.set_function(lambda: float(self._draining or self._closing))
 
     # -- life cycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -123,13 +133,20 @@ class WhisperwireServer:
 
     @property
     def ready(self) -> bool:
-        """True while ``/readyz`` says 200: the model is warm and no shutdown has begun."""
-        return self.pipeline.ready and not self._closing
+        """True while ``/readyz`` says 200 (unless full): the model is warm and neither a
+        drain nor a shutdown has begun."""
+        return self.pipeline.ready and not self._closing and not self._draining
 
     @property
     def closing(self) -> bool:
         """True once ``shutdown`` has begun."""
         return self._closing
+
+    @property
+    def draining(self) -> bool:
+        """True from ``drain`` until ``shutdown`` begins: new streams are refused, open
+        sessions are served."""
+        return self._draining and not self._closing
 
     @property
     def port(self) -> int:
@@ -179,6 +196,35 @@ class WhisperwireServer:
                 "try again later"
             )
         return None
+
+    async def drain(self) -> float:
+        """Refuse new streams (``/readyz`` 503 ``draining``) and serve the open sessions
+        until they have all ended or ``config.drain_s`` has passed; returns the seconds it
+        took. Call ``shutdown`` next to finish the sessions still open. Returns at once when
+        a shutdown has begun or ``drain_s`` is 0."""
+        if self._closing or self.config.drain_s <= 0:
+            return 0.0
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self._draining = True
+        open_sessions = len(self._connections)
+        logger.info(
+            "draining: refusing new sessions; waiting up to %.0f s for %d open session(s)",
+            self.config.drain_s,
+            open_sessions,
+        )
+        try:
+            await asyncio.wait_for(self._no_connections.wait(), self.config.drain_s)
+        except asyncio.TimeoutError:
+            logger.info(
+                "drained for %.0f s; %d session(s) still open",
+                self.config.drain_s,
+                len(self._connections),
+            )
+        else:
+            if open_sessions:
+                logger.info("drained: every session ended in %.1f s", loop.time() - started)
+        return loop.time() - started
 
     async def shutdown(self) -> None:
         """Stop accepting, finish every open session (finals, ``done``, close 1001), stop
@@ -275,6 +321,7 @@ class WhisperwireServer:
             vad=self.vad,
         )
         self._connections.add(conn)
+        self._no_connections.clear()
         self.metrics.sessions_active.set(len(self._connections))
         self.metrics.sessions_total.inc()
         try:
@@ -288,6 +335,7 @@ class WhisperwireServer:
             self._connections.discard(conn)
             self.metrics.sessions_active.set(len(self._connections))
             if not self._connections:
+                self._no_connections.set()
                 await self._release_memory()
 
     async def _release_memory(self) -> None:
@@ -309,7 +357,9 @@ async def run_server(
     vad: VadConfig | None = None,
     on_ready: Callable[[WhisperwireServer], None] | None = None,
 ) -> None:
-    """Serve until SIGINT or SIGTERM, then shut down gracefully.
+    """Serve until SIGINT or SIGTERM, then shut down gracefully: on SIGTERM drain first
+    (``WhisperwireServer.drain``); on SIGINT, someone at a terminal who wants the server
+    stopped, finish the open sessions at once. A second signal drops them.
 
     Raises what loading the model raised (``ModelError``), after closing the socket.
     """
@@ -341,9 +391,13 @@ async def run_server(
             if on_ready is not None:
                 on_ready(app)
             await stop
+            logger.info("received %s", stop.result().name)
+            if stop.result() is signal.SIGTERM:
+                await app.drain()
         else:
             ready.cancel()
-        logger.info("received %s; shutting down", stop.result().name)
+            logger.info("received %s before the model was ready", stop.result().name)
+        logger.info("shutting down")
     finally:
         await app.shutdown()
         for sig in signals:

@@ -7,7 +7,11 @@
                        [--capacity-hop-s 1] [--capacity-utilization 0.8]
                        [--max-session-s 14400] [--idle-timeout-s 30] [--api-key KEY]
                        [--allowed-origin URL ...]
-                       [--tls-cert PEM --tls-key PEM] [--log-level info]
+                       [--tls-cert PEM --tls-key PEM] [--drain-s 0] [--log-level info]
+
+SIGTERM drains for up to ``--drain-s`` (new sessions refused, open ones served), then
+finishes the open sessions (finals, ``done``, close 1001); SIGINT finishes them at once; a
+second signal drops them.
 
 Exit status: 0 after a clean shutdown (SIGINT or SIGTERM); 2 for bad flags, a model that
 cannot be loaded, unreadable TLS files or an address already in use.
@@ -172,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="a browser Origin allowed besides the server's own page (repeatable; '*': any)",
     )
+    shutdown = parser.add_argument_group("shutdown")
+    shutdown.add_argument(
+        "--drain-s",
+        type=float,
+        default=s.drain_s,
+        metavar="S",
+        help="on SIGTERM, refuse new sessions (/readyz 503) and keep serving the open ones "
+        "for up to this long before finishing them; for a server behind a load balancer "
+        "(default %(default)s: finish them at once)",
+    )
     parser.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="(default %(default)s)"
     )
@@ -223,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             allowed_origins=tuple(args.allowed_origin),
             tls_cert_path=args.tls_cert,
             tls_key_path=args.tls_key,
+            drain_s=args.drain_s,
         )
         streaming = StreamingConfig(
             commit=CommitConfig(min_right_context_s=args.min_right_context_s)

@@ -149,7 +149,12 @@ class ServerConfig:
     write_limit_bytes: int = 64 * 1024  # outgoing bytes buffered per connection before sends wait
     max_pending_messages: int = 512  # server messages queued for one client; more drops it
     max_incoming_frames: int = 16  # frames read ahead per connection before TCP backpressure
-    shutdown_timeout_s: float = 30.0  # on SIGTERM, time for open sessions to finish
+    # On SIGTERM, first drain: /readyz says 503 and new streams are refused (a balancer sends
+    # them elsewhere) while open sessions go on for up to this long or until all have ended;
+    # then the rest are finished (finals, done, 1001). 0: finish them at once, which suits a
+    # lone server, whose new sessions have nowhere else to go. deploy/README.md: sizing it.
+    drain_s: float = 0.0
+    shutdown_timeout_s: float = 30.0  # then, time for open sessions to send finals and done
     warmup: bool = True  # decode once before /readyz turns ready
 
     def __post_init__(self) -> None:
@@ -162,6 +167,10 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0; got {self.shutdown_timeout_s}")
+        if not 0 <= self.drain_s <= self.max_session_s:
+            raise ValueError(
+                f"drain_s must be in [0, max_session_s={self.max_session_s:g}]; got {self.drain_s}"
+            )
         for name in ("ping_interval_s", "ping_timeout_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:

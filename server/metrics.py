@@ -168,6 +168,10 @@ class Metrics:
 
     def __init__(self) -> None:
         self.ready = Gauge("whisperwire_ready", "1 once the model is loaded and warmed up")
+        self.draining = Gauge(
+            "whisperwire_draining",
+            "1 once a shutdown began: new sessions are refused while the open ones finish",
+        )
         self.sessions_active = Gauge(
             "whisperwire_sessions_active", "Streaming sessions open right now"
         )
@@ -177,7 +181,8 @@ class Metrics:
         self.sessions_refused = Counter(
             "whisperwire_sessions_refused_total",
             "Connections refused, by reason (server_full: at max_sessions; capacity: at the "
-            "capacity estimate; unauthorized, forbidden_origin, not_ready)",
+            "capacity estimate; draining: shutting down; unauthorized, forbidden_origin, "
+            "not_ready: loading the model or shutting down)",
             ("reason",),
         )
         self.audio_received_s = Counter(
@@ -233,6 +238,7 @@ class Metrics:
         """Every metric, in the order they are rendered."""
         return [
             self.ready,
+            self.draining,
             self.sessions_active,
             self.sessions_total,
             self.sessions_refused,

@@ -56,6 +56,9 @@ class ServerState(Protocol):
     @property
     def closing(self) -> bool: ...
 
+    @property
+    def draining(self) -> bool: ...
+
     def full_reason(self) -> str | None: ...
 
 
@@ -109,8 +112,7 @@ def process_request(server: ServerState, request: Request) -> Response | None:
         return response(HTTPStatus.OK, "ok\n")
     if path == "/readyz":
         if not server.ready:
-            state = "shutting down" if server.closing else "loading the model"
-            return response(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {state}\n")
+            return response(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {_not_ready(server)}\n")
         full = server.full_reason()
         if full is not None:
             return response(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: full: {full}\n")
@@ -128,10 +130,13 @@ def _check_stream_request(server: ServerState, request: Request) -> Response | N
     """Refuse the handshake (HTTP status) for an unready server, a bad token or Origin."""
     config, metrics = server.config, server.metrics
     if not server.ready:
-        metrics.sessions_refused.inc(1, "not_ready")
+        state = _not_ready(server)
+        metrics.sessions_refused.inc(1, "draining" if state == "draining" else "not_ready")
+        # A 503 before the handshake is safe to replay: a balancer (HAProxy's retry-on 503)
+        # sends the same request to another instance, and the client never sees it.
         return response(
             HTTPStatus.SERVICE_UNAVAILABLE,
-            "the server is not ready (loading the model or shutting down); retry later\n",
+            f"the server is not ready ({state}); retry later\n",
             headers={"Retry-After": "5"},
         )
     if config.api_key is not None and not api_key_offered(request, config.api_key):
@@ -145,3 +150,10 @@ def _check_stream_request(server: ServerState, request: Request) -> Response | N
         metrics.sessions_refused.inc(1, "forbidden_origin")
         return response(HTTPStatus.FORBIDDEN, "this Origin may not connect\n")
     return None
+
+
+def _not_ready(server: ServerState) -> str:
+    """Why a server that is not ready is not: what ``/readyz`` and a refused stream say."""
+    if server.draining:
+        return "draining"
+    return "shutting down" if server.closing else "loading the model"

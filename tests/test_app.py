@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
 import signal
 import socket
 import ssl
@@ -225,6 +226,141 @@ async def test_shutdown_delivers_finals_and_done(
     assert wer(" ".join(ref_words[: len(words)]), " ".join(words)) <= MAX_WER_CLIP, finals
     with pytest.raises(OSError):
         await http_get(server.http_url + "/healthz")
+
+
+# --------------------------------------------------------------------------- draining
+
+
+async def open_session(url: str, frames: list[bytes]) -> ClientConnection:
+    """A connected session that got ``ready`` and was sent ``frames``."""
+    ws = await connect(url)
+    assert json.loads(await ws.recv())["type"] == "ready"
+    for frame in frames:
+        await ws.send(frame)
+    return ws
+
+
+async def finish(ws: ClientConnection, *, end: bool = True) -> StreamOutcome:
+    """Send ``end`` (unless not) and read every message until the server closes."""
+    messages: list[dict[str, Any]] = []
+    with contextlib.suppress(ConnectionClosed):
+        if end:
+            await ws.send('{"type": "end"}')
+        async for raw in ws:
+            messages.append(json.loads(raw))
+    return StreamOutcome(messages, ws.close_code, ws.close_reason)
+
+
+async def test_a_drain_refuses_new_streams_and_serves_the_open_ones_to_their_end(
+    speech_dir: Path,
+) -> None:
+    frames = pcm_frames(load_clip(speech_dir / END_TO_END_CLIPS[1]))
+    async with scripted_server(drain_s=60.0) as srv:
+        url = stream_url(srv.url)
+        ws = await open_session(url, frames[:20])
+        drain = asyncio.create_task(srv.drain())
+        await asyncio.sleep(0)  # the drain has begun
+        assert (srv.ready, srv.draining, srv.closing) == (False, True, False)
+        status, _, body = await http_get(srv.http_url + "/readyz")
+        assert (status, body) == (503, b"not ready: draining\n")
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(url):
+                pass
+        assert refused.value.response.status_code == 503
+        page = srv.metrics.render()
+        assert metric_value(page, "whisperwire_draining") == 1
+        assert metric_value(page, 'whisperwire_sessions_refused_total{reason="draining"}') == 1
+        for frame in frames[20:]:  # the open session goes on as usual
+            await ws.send(frame)
+        outcome = await finish(ws)
+        elapsed_s = await asyncio.wait_for(drain, 10.0)  # over once its last session ended
+        assert elapsed_s < 10.0
+        assert outcome.close_code == 1000  # ended by the client, not by the drain
+        check_nothing_lost(outcome, sent_s=sum(map(len, frames)) / 32000)
+        assert srv.draining  # still refusing until shutdown
+    assert metric_value(srv.metrics.render(), "whisperwire_draining") == 1
+
+
+async def test_sessions_that_outlast_the_drain_get_their_finals_done_and_1001(
+    speech_dir: Path,
+) -> None:
+    frames = pcm_frames(load_clip(speech_dir / END_TO_END_CLIPS[1]))
+    async with scripted_server(drain_s=0.3) as srv:
+        ws = await open_session(stream_url(srv.url), frames[:30])
+        assert 0.3 <= await asyncio.wait_for(srv.drain(), 10.0) < 5.0
+        assert not ws.close_code  # the drain's end finishes nothing: shutdown does
+        shutting_down = asyncio.create_task(srv.shutdown())
+        outcome = await finish(ws, end=False)
+        await shutting_down
+    assert outcome.close_code == 1001
+    assert outcome.of_type("final")
+    check_nothing_lost(outcome, sent_s=3.0)
+
+
+async def test_no_drain_when_drain_s_is_0_or_no_session_is_open() -> None:
+    async with scripted_server() as srv:
+        assert await srv.drain() == 0.0
+        assert srv.ready and not srv.draining
+    async with scripted_server(drain_s=60.0) as srv:
+        assert await asyncio.wait_for(srv.drain(), 5.0) < 1.0
+        assert not srv.ready and srv.draining
+
+
+async def serve_until_signalled(
+    **config: Any,
+) -> tuple[asyncio.Task[None], WhisperwireServer]:
+    """``run_server`` with the scripted engine in this process, once it is listening."""
+    from server.app import run_server
+
+    ready: asyncio.Future[WhisperwireServer] = asyncio.get_running_loop().create_future()
+    served = asyncio.create_task(
+        run_server(
+            ScriptedEngine,
+            server=ServerConfig(host="127.0.0.1", port=0, **config),
+            on_ready=ready.set_result,
+        )
+    )
+    app = await asyncio.wait_for(asyncio.shield(ready), WAIT_S)
+    return served, app
+
+
+async def test_sigterm_drains_and_sigint_finishes_at_once(speech_dir: Path) -> None:
+    """Signals sent to this very process: ``run_server``'s handlers take them."""
+    frames = pcm_frames(load_clip(speech_dir / END_TO_END_CLIPS[1]))
+    served, app = await serve_until_signalled(drain_s=60.0)
+    ws = await open_session(stream_url(app.url), frames[:20])
+    os.kill(os.getpid(), signal.SIGTERM)
+    async with asyncio.timeout(10.0):
+        while not app.draining:
+            await asyncio.sleep(0.01)  # the handler runs on the loop, soon
+    for frame in frames[20:]:
+        await ws.send(frame)
+    outcome = await finish(ws)
+    await asyncio.wait_for(served, 10.0)  # the drain ended with the session: run_server too
+    assert outcome.close_code == 1000  # the client ended it, during the drain
+    check_nothing_lost(outcome, sent_s=sum(map(len, frames)) / 32000)
+
+    served, app = await serve_until_signalled(drain_s=60.0)
+    ws = await open_session(stream_url(app.url), frames[:20])
+    os.kill(os.getpid(), signal.SIGINT)
+    outcome = await finish(ws, end=False)
+    await asyncio.wait_for(served, 10.0)
+    assert outcome.close_code == 1001 and outcome.messages[-1]["type"] == "done"
+    assert not app.draining  # SIGINT: no drain
+
+
+async def test_a_second_signal_during_the_drain_drops_the_sessions() -> None:
+    served, app = await serve_until_signalled(drain_s=60.0)
+    ws = await open_session(stream_url(app.url), [])
+    os.kill(os.getpid(), signal.SIGTERM)
+    async with asyncio.timeout(10.0):
+        while not app.draining:
+            await asyncio.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGTERM)
+    outcome = await finish(ws, end=False)
+    await asyncio.wait_for(served, 10.0)
+    assert outcome.close_code == 1006  # dropped: no close frame, no done
+    assert not outcome.of_type("done")
 
 
 # --------------------------------------------------------------------------- protocol errors

@@ -50,3 +50,19 @@ def test_the_commit_policy_right_context_is_one_flag_away(
         main(["--min-right-context-s", "-1"])
     assert exited.value.code == 2
     assert "min_right_context_s" in capsys.readouterr().err
+
+
+def test_drain_s_defaults_to_the_config_and_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    from server.config import ServerConfig
+
+    parser = build_parser()
+    assert parser.parse_args([]).drain_s == ServerConfig().drain_s == 0.0
+    assert parser.parse_args(["--drain-s", "300"]).drain_s == 300.0
+    with pytest.raises(SystemExit) as exited:
+        main(["--drain-s", "-1"])
+    assert exited.value.code == 2
+    assert "drain_s must be in [0, max_session_s=14400]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["--drain-s", "60", "--max-session-s", "30"])
+    assert exited.value.code == 2
+    assert "drain_s must be in [0, max_session_s=30]" in capsys.readouterr().err

@@ -278,3 +278,15 @@ async def test_wrong_path_exits_1_with_the_servers_reason(
     assert run.stderr == (
         f"whisperwire: error: {url} refused the connection: HTTP 404: not found: /v1/nope\n"
     )
+
+
+async def test_retries_take_a_count_and_0_turns_reconnecting_off() -> None:
+    from client.cli import build_parser
+    from client.reconnect import RetryPolicy
+
+    parser = build_parser()
+    assert parser.parse_args(["stream", "x.wav"]).retries == RetryPolicy().max_retries
+    assert parser.parse_args(["stream", "x.wav", "--retries", "0"]).retries == 0
+    assert parser.parse_args(["listen", "--retries", "9"]).retries == 9
+    with pytest.raises(SystemExit):
+        parser.parse_args(["stream", "x.wav", "--retries", "-1"])

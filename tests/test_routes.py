@@ -24,6 +24,7 @@ class StubServerState:
     metrics: Metrics = field(default_factory=Metrics)
     ready: bool = True
     closing: bool = False
+    draining: bool = False
     full: str | None = None
 
     def full_reason(self) -> str | None:
@@ -85,6 +86,19 @@ def test_readyz_says_why_it_is_not_ready() -> None:
     assert get(closing, "/readyz").body == b"not ready: shutting down\n"
     full = get(StubServerState(full="at the limit"), "/readyz")
     assert (full.status_code, full.body) == (503, b"not ready: full: at the limit\n")
+    draining = get(StubServerState(ready=False, draining=True), "/readyz")
+    assert (draining.status_code, draining.body) == (503, b"not ready: draining\n")
+
+
+def test_a_draining_server_refuses_new_streams_with_a_503_a_balancer_may_replay() -> None:
+    state = StubServerState(ready=False, draining=True)
+    refused = get(state, STREAM_PATH)
+    assert (refused.status_code, refused.headers["Retry-After"]) == (503, "5")
+    assert b"draining" in refused.body
+    page = state.metrics.render()
+    name = "whisperwire_sessions_refused_total"
+    assert metric_value(page, f'{name}{{reason="draining"}}') == 1
+    assert metric_value(page, f'{name}{{reason="not_ready"}}') == 0
 
 
 def test_the_stream_handshake_goes_on_when_nothing_refuses_it() -> None:

@@ -223,6 +223,13 @@
     const s = state.session;
     exposed.lastClose = { code: event.code, reason: event.reason };
     removePartial();
+    // "done" without our "end": the server finished the session itself (a draining instance
+    // behind a load balancer); carry on with a new session, which lands on another instance.
+    const endedByServer = s && s.done && !s.endSent && state.phase === "running";
+    if (endedByServer) {
+      scheduleReconnect(event);
+      return;
+    }
     if (state.phase === "stopping" || (s && s.done)) {
       let text = "Stopped (the server closed before its summary).";
       if (s && s.done) text = "Stopped.";
@@ -245,7 +252,10 @@
     exposed.reconnects += 1;
     const base = Math.min(BACKOFF_MAX_MS, BACKOFF_FIRST_MS * 2 ** (state.retries - 1));
     const delay = base * (0.8 + 0.4 * Math.random()); // jitter: clients do not return in step
-    const why = event.code === 1013 ? "server busy" : `connection lost (${event.code})`;
+    const why =
+      event.code === 1013 ? "server busy"
+      : event.code === 1000 ? "the server ended the session"
+      : `connection lost (${event.code})`;
     setStatus(`${why}; reconnecting in ${(delay / 1000).toFixed(1)} s…`, true);
     state.reconnectTimer = setTimeout(connect, delay);
   }

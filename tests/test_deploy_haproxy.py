@@ -1,0 +1,594 @@
+"""``deploy/haproxy/haproxy.cfg`` as shipped, in front of real servers, in a real HAProxy.
+
+Only the addresses are replaced (``tests/instances.haproxy_config``). The quick tests run
+in-process servers with the scripted engine: what reaches an instance through HAProxy (API
+key, Origin, query), and which instance a new session lands on while one drains or warms
+up. The slow one runs two real ``whisperwire-server`` processes with tiny.en on real speech:
+sessions spread by leastconn, SIGTERM on an instance mid-stream (it drains: its session
+finishes with every final and ``done``, new sessions go to the other), a restarted instance
+that gets nothing while it warms up, and a session finished by a drain that ends (1001)
+resumed by the client on the other instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import signal
+import subprocess
+import threading
+import time
+import wave
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jiwer
+import numpy as np
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+from client.reconnect import SEAM_WORDS, RetryPolicy, stream_with_reconnect
+from client.sources import FileSource
+from client.stream import ConnectError, StreamResult, stream_audio
+from server.app import WhisperwireServer
+from server.config import ServerConfig
+from server.formats import SAMPLE_RATE_HZ
+from tests.helpers import (
+    ManifestRow,
+    ScriptedEngine,
+    http_get,
+    load_clip,
+    metric_value,
+    normalize,
+    pcm_frames,
+    stream_frames,
+    wer,
+)
+from tests.instances import (
+    HAPROXY_CFG,
+    Haproxy,
+    ServerInstance,
+    free_port,
+    haproxy_binary,
+    haproxy_config,
+    wait_until,
+)
+
+on_session_loop = pytest.mark.asyncio(loop_scope="session")
+
+API_KEY = "deploy-test-key"
+SESSIONS = "whisperwire_sessions_total"
+REFUSED = "whisperwire_sessions_refused_total"
+MAX_WER_CLIP = 0.35  # as in test_app: one short clip streamed, a word or two wrong
+# The six clips of the spread check, 4 to 11 s each; all different, so a mix-up shows.
+SPREAD_CLIPS = (
+    "misc_en/jfk.wav",
+    "librispeech_test-clean/1089-134686-0000.wav",
+    "ljspeech/LJ001-0014.wav",
+    "librispeech_test-clean/1089-134691-0001.wav",
+    "ljspeech/LJ001-0004.wav",
+    "misc_en/arctic_a0024.wav",
+)
+DRAIN_CLIP = "librispeech_dev-clean/2412-153948-0000.wav"  # 11.7 s: SIGTERM 4 s in
+RESUME_CLIPS = ("ljspeech/LJ001-0001.wav", "ljspeech/LJ001-0003.wav")  # joined: 20 s
+DRAIN_S = 30  # the real instances' --drain-s: longer than what DRAIN_CLIP has left
+SHORT_DRAIN_S = 2  # the restarted instance's: shorter than what the resumed stream has left
+
+
+# --------------------------------------------------------------------------- the file itself
+
+
+def shipped() -> str:
+    return HAPROXY_CFG.read_text()
+
+
+def directives(section: str) -> list[str]:
+    """The lines of one section (``backend whisperwire``), stripped, comments dropped."""
+    lines: list[str] = []
+    inside = False
+    for line in shipped().splitlines():
+        if line and not line[0].isspace() and not line.startswith("#"):
+            inside = line.strip() == section
+            continue
+        text = line.split("#", 1)[0].strip()
+        if inside and text:
+            lines.append(text)
+    return lines
+
+
+def seconds(value: str) -> float:
+    """An HAProxy time (``30s``, ``1h``, ``500ms``; bare numbers are milliseconds)."""
+    number, unit = re.fullmatch(r"(\d+)(us|ms|s|m|h|d)?", value).groups()  # type: ignore[union-attr]
+    scale = {"us": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1e-3}
+    return int(number) * scale[unit]
+
+
+def test_the_shipped_file_and_the_tested_one_pass_haproxys_check(tmp_path: Path) -> None:
+    binary = haproxy_binary()
+    rendered = tmp_path / "haproxy.cfg"
+    rendered.write_text(
+        haproxy_config(shipped(), frontend_port=18765, stats_port=18404, servers=[1, 2, 3])
+    )
+    for path in (HAPROXY_CFG, rendered):
+        check = subprocess.run(
+            [binary, "-c", "-f", str(path)], capture_output=True, text=True, timeout=30
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_the_tested_file_differs_from_the_shipped_one_only_in_addresses() -> None:
+    rendered = haproxy_config(shipped(), frontend_port=1, stats_port=2, servers=[3, 4, 5])
+    kept = [line for line in shipped().splitlines() if not re.match(r"\s+(bind|server) ", line)]
+    assert [
+        line for line in rendered.splitlines() if not re.match(r"\s+(bind|server) ", line)
+    ] == kept
+    assert re.findall(r"(?m)^\s+server (\S+) (\S+)$", rendered) == [
+        ("ww1", "127.0.0.1:3"),
+        ("ww2", "127.0.0.1:4"),
+        ("ww3", "127.0.0.1:5"),
+    ]
+    assert "bind 127.0.0.1:1" in rendered and "bind 127.0.0.1:2" in rendered
+
+
+def test_the_config_holds_what_long_lived_sessions_need() -> None:
+    backend = directives("backend whisperwire")
+    defaults = directives("defaults")
+    assert "balance leastconn" in backend
+    assert "option httpchk GET /readyz HTTP/1.1" in backend
+    assert "http-check expect status 200" in backend
+    for sticky in ("stick", "cookie", "balance source", "hash-type"):
+        assert not any(line.startswith(sticky) for line in backend + defaults), sticky
+    # A session must outlive an instance turning not-ready (full, draining).
+    assert not any("shutdown-sessions" in line for line in backend + defaults)
+    server = ServerConfig()
+    assert server.ping_interval_s is not None and server.ping_timeout_s is not None
+    tunnel_s = seconds(
+        next(line.split()[2] for line in defaults if line.startswith("timeout tunnel"))
+    )
+    quiet_s = max(server.idle_timeout_s, server.ping_interval_s + server.ping_timeout_s)
+    assert tunnel_s > quiet_s  # the longest a healthy session goes without a frame
+    retry = next(line for line in defaults if line.startswith("retry-on"))
+    assert "503" in retry.split() and not {"401", "403"} & set(retry.split())
+    assert "option redispatch 1" in defaults
+
+
+# --------------------------------------------------------------------------- in-process servers
+
+
+@dataclass
+class Balanced:
+    """HAProxy from the shipped config in front of ``servers``."""
+
+    haproxy: Haproxy
+    port: int
+
+    @property
+    def stream_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/stream"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextlib.asynccontextmanager
+async def haproxy_in_front(ports: list[int], tmp_path: Path) -> AsyncIterator[Balanced]:
+    haproxy_binary()
+    frontend, stats = free_port(), free_port()
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(
+        haproxy_config(shipped(), frontend_port=frontend, stats_port=stats, servers=ports)
+    )
+    haproxy = Haproxy(config, tmp_path / "haproxy.log", stats)
+    try:
+        await haproxy.start()
+        yield Balanced(haproxy, frontend)
+    finally:
+        await haproxy.stop()
+
+
+def scripted_config(**overrides: object) -> ServerConfig:
+    return ServerConfig(host="127.0.0.1", port=0, warmup=False, **overrides)  # type: ignore[arg-type]
+
+
+def sessions_of(server: WhisperwireServer) -> float:
+    return server.metrics.sessions_total.value()
+
+
+@on_session_loop
+async def test_authorization_origin_and_query_reach_the_instances(
+    speech_dir: Path, tmp_path: Path
+) -> None:
+    frames = pcm_frames(load_clip(speech_dir / "ljspeech/LJ001-0004.wav"))
+    config = scripted_config(api_key=API_KEY, allowed_origins=("https://app.example",))
+    async with (
+        WhisperwireServer(ScriptedEngine, server=config) as one,
+        WhisperwireServer(ScriptedEngine, server=config) as two,
+        haproxy_in_front([one.port, two.port], tmp_path) as lb,
+    ):
+        await lb.haproxy.wait_for("ww1", "UP")
+        await lb.haproxy.wait_for("ww2", "UP")
+        bearer = {"Authorization": f"Bearer {API_KEY}"}
+        outcome = await stream_frames(lb.stream_url, frames, additional_headers=bearer)
+        assert outcome.messages[-1]["type"] == "done" and outcome.close_code == 1000
+        # The query string: the token in it, and the session's format set by it.
+        url = f"{lb.stream_url}?token={API_KEY}&sample_rate=8000&encoding=pcm_s16le"
+        async with connect(url) as ws:
+            ready = json.loads(await ws.recv())
+        assert (ready["type"], ready["sample_rate"]) == ("ready", 8000)
+        # The Origin header: the page's own origin through the balancer, a listed one, and
+        # one that is refused (403: never retried on the other instance).
+        for origin in (lb.http_url, "https://app.example"):
+            async with connect(lb.stream_url, additional_headers={**bearer, "Origin": origin}):
+                pass
+        with pytest.raises(InvalidStatus) as forbidden:
+            async with connect(
+                lb.stream_url, additional_headers={**bearer, "Origin": "https://evil.example"}
+            ):
+                pass
+        with pytest.raises(InvalidStatus) as unauthorized:
+            async with connect(lb.stream_url):
+                pass
+        assert forbidden.value.response.status_code == 403
+        assert unauthorized.value.response.status_code == 401
+        # Each instance is scraped on its own address; the balancer keeps /metrics to itself.
+        assert (await http_get(lb.http_url + "/metrics"))[0] == 404
+        assert (await http_get(lb.http_url + "/readyz"))[0] == 200
+        refused = [
+            (
+                s.metrics.sessions_refused.value("forbidden_origin"),
+                s.metrics.sessions_refused.value("unauthorized"),
+            )
+            for s in (one, two)
+        ]
+        assert sessions_of(one) + sessions_of(two) == 4
+    assert [sum(r) for r in zip(*refused, strict=True)] == [1, 1]  # each refused once, by one
+
+
+@on_session_loop
+async def test_a_draining_instance_gets_no_new_session_even_before_the_checks_see_it(
+    tmp_path: Path,
+) -> None:
+    """Right after an instance starts draining HAProxy still thinks it is up; the handshakes
+    it answers with 503 are sent on to the other instance (retry-on 503, redispatch)."""
+    config = scripted_config(drain_s=60.0)
+    async with (
+        WhisperwireServer(ScriptedEngine, server=config) as draining,
+        WhisperwireServer(ScriptedEngine, server=config) as other,
+        haproxy_in_front([draining.port, other.port], tmp_path) as lb,
+    ):
+        await lb.haproxy.wait_for("ww1", "UP")
+        await lb.haproxy.wait_for("ww2", "UP")
+        async with connect(draining.url + "/v1/stream") as held:  # keeps the drain open
+            await held.recv()
+            drain = asyncio.create_task(draining.drain())
+            await asyncio.sleep(0)  # the drain has begun: it set the flag before awaiting
+            assert (await http_get(draining.http_url + "/readyz"))[2] == b"not ready: draining\n"
+            unseen = (await lb.haproxy.states())["ww1"] == "UP"
+            for _ in range(6):
+                async with connect(lb.stream_url) as ws:
+                    assert json.loads(await ws.recv())["type"] == "ready"
+            if unseen and (await lb.haproxy.states())["ww1"] == "UP":
+                # leastconn sent some of the six to it; it said 503 and HAProxy went on.
+                assert draining.metrics.sessions_refused.value("draining") >= 1
+            assert sessions_of(draining) == 1  # only the held session, made directly
+            assert sessions_of(other) == 6
+            await held.send('{"type": "end"}')
+            async for _ in held:
+                pass
+            assert held.close_code == 1000  # served to its end while draining
+        assert await asyncio.wait_for(drain, 10.0) < 10.0  # ended with its last session
+        await lb.haproxy.wait_for("ww1", "DOWN")
+
+
+@on_session_loop
+async def test_an_instance_that_is_warming_up_gets_no_session(tmp_path: Path) -> None:
+    release = threading.Event()
+
+    def slow_load() -> ScriptedEngine:
+        release.wait(60.0)  # the decode thread, loading a model
+        return ScriptedEngine()
+
+    warming = WhisperwireServer(slow_load, server=scripted_config())
+    await warming.start()
+    try:
+        async with (
+            WhisperwireServer(ScriptedEngine, server=scripted_config()) as ready,
+            haproxy_in_front([warming.port, ready.port], tmp_path) as lb,
+        ):
+            for _ in range(4):
+                async with connect(lb.stream_url) as ws:
+                    assert json.loads(await ws.recv())["type"] == "ready"
+            await lb.haproxy.wait_for("ww1", "DOWN")
+            assert sessions_of(ready) == 4
+            assert warming.metrics.sessions_total.value() == 0
+            release.set()
+            await warming.wait_ready()
+            await lb.haproxy.wait_for("ww1", "UP")
+            async with connect(lb.stream_url) as a, connect(lb.stream_url) as b:
+                await a.recv()
+                await b.recv()
+                assert sessions_of(warming) == 1  # leastconn: one each, now that it is up
+    finally:
+        release.set()
+        await warming.shutdown()
+
+
+# --------------------------------------------------------------------------- real instances
+
+
+def joined_clip(speech_dir: Path, files: tuple[str, ...], out: Path, pause_s: float = 1.0) -> Path:
+    """The clips one after the other with ``pause_s`` of silence between, as one WAV."""
+    silence = np.zeros(int(pause_s * SAMPLE_RATE_HZ), dtype=np.float32)
+    parts: list[np.ndarray] = []
+    for file in files:
+        parts += [load_clip(speech_dir / file), silence]
+    audio = np.concatenate(parts[:-1])
+    with wave.open(str(out), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(SAMPLE_RATE_HZ)
+        w.writeframes((np.clip(audio, -1, 32767 / 32768) * 32768).astype("<i2").tobytes())
+    return out
+
+
+def reference(manifest: list[ManifestRow], *files: str) -> str:
+    return " ".join(next(r.transcript for r in manifest if r.file == f) for f in files)
+
+
+def clip_s(speech_dir: Path, file: str) -> float:
+    return float(load_clip(speech_dir / file).shape[0]) / SAMPLE_RATE_HZ
+
+
+def check_complete(result: StreamResult, sent_s: float) -> None:
+    """``done`` accounts for all the audio, and all its speech reached the finals."""
+    done = result.done
+    assert done.audio_received_s == pytest.approx(sent_s, abs=0.11), done
+    assert done.transcribed_s == pytest.approx(done.speech_s, abs=0.003), done
+    assert done.failed_s == 0, done
+
+
+async def sessions_total(instance: ServerInstance) -> float:
+    status, page = await instance.get("/metrics")
+    assert status == 200
+    return metric_value(page, SESSIONS)
+
+
+def when_audio_reached(seconds_in: float) -> tuple[asyncio.Event, Callable[[object], None]]:
+    """An event set once a message says the server has ``seconds_in`` of audio."""
+    reached = asyncio.Event()
+
+    def on_message(message: object) -> None:
+        if getattr(message, "audio_received_s", 0.0) >= seconds_in:
+            reached.set()
+
+    return reached, on_message
+
+
+async def hold_a_session(url: str, opened: asyncio.Event, stop: asyncio.Event) -> None:
+    """One session that stays open, sending 0.1 s of silence a second, until ``stop``."""
+    silence = bytes(int(0.1 * SAMPLE_RATE_HZ) * 2)
+    async with connect(url) as ws:
+        assert json.loads(await ws.recv())["type"] == "ready"
+        opened.set()
+        while not stop.is_set():
+            await ws.send(silence)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+        await ws.send('{"type": "end"}')
+        async for _ in ws:
+            pass
+
+
+async def exited_at(instance: ServerInstance) -> float:
+    """When ``instance`` exited (``time.monotonic``), after checking it exited with 0."""
+    code = await instance.wait_exit()
+    assert code == 0, instance.log_tail()
+    return time.monotonic()
+
+
+@pytest.mark.slow
+@on_session_loop
+async def test_two_real_instances_behind_haproxy_drain_without_losing_a_word(
+    speech_dir: Path, manifest: list[ManifestRow], tmp_path: Path
+) -> None:
+    haproxy_binary()
+    ports = [free_port(), free_port()]
+    common = ["--model", "tiny.en", "--api-key", API_KEY, "--log-level", "info"]
+    # One lane each: two instances share this machine's two cores. The capacity estimate
+    # of one lane is under three streams; this tests transcripts and draining, not admission.
+    common += ["--decode-lanes", "1", "--no-capacity-limit", "--max-sessions", "8"]
+    instances = [
+        ServerInstance(
+            f"ww{i}", port, [*common, "--drain-s", str(DRAIN_S)], tmp_path / f"ww{i}.log"
+        )
+        for i, port in enumerate(ports, 1)
+    ]
+    figures: dict[str, object] = {}
+    lb: Balanced | None = None
+    try:
+        await asyncio.gather(*(i.start() for i in instances))
+        await asyncio.gather(*(i.wait_ready() for i in instances))
+        figures["ready_after_s"] = [round(i.ready_after_s, 1) for i in instances]
+        async with haproxy_in_front(ports, tmp_path) as lb:
+            await lb.haproxy.wait_for("ww1", "UP")
+            await lb.haproxy.wait_for("ww2", "UP")
+
+            # -- six sessions spread by leastconn, three on each instance --------------------
+            before = [await sessions_total(i) for i in instances]
+
+            async def spread_client(k: int, file: str) -> StreamResult:
+                source = FileSource(speech_dir / file)
+                if k == 0:  # the key in the query string instead of the header
+                    url = f"{lb.stream_url}?token={API_KEY}&language=en"
+                    return await stream_audio(url, source, pace=1.0)
+                return await stream_audio(lb.stream_url, source, pace=1.0, token=API_KEY)
+
+            started = time.monotonic()
+            results = await asyncio.wait_for(
+                asyncio.gather(*(spread_client(k, f) for k, f in enumerate(SPREAD_CLIPS))), 240
+            )
+            figures["six_sessions_wall_s"] = round(time.monotonic() - started, 1)
+            after = [await sessions_total(i) for i in instances]
+            per_instance = [int(a - b) for a, b in zip(after, before, strict=True)]
+            figures["sessions_per_instance"] = per_instance
+            assert per_instance == [3, 3]
+            for file, result in zip(SPREAD_CLIPS, results, strict=True):
+                check_complete(result, clip_s(speech_dir, file))
+                assert wer(reference(manifest, file), result.text) <= MAX_WER_CLIP, (
+                    file,
+                    result.text,
+                )
+            with pytest.raises(ConnectError) as refused:
+                await stream_audio(lb.stream_url, FileSource(speech_dir / SPREAD_CLIPS[0]), pace=0)
+            assert refused.value.status == 401  # no key: refused by the instance, not retried
+
+            # -- SIGTERM mid-stream: the instance drains ----------------------------------
+            direct = await stream_audio(
+                instances[1].stream_url,
+                FileSource(speech_dir / DRAIN_CLIP),
+                pace=1.0,
+                token=API_KEY,
+            )
+            reached, on_message = when_audio_reached(4.0)
+            counts = [await sessions_total(i) for i in instances]
+            drained_stream = asyncio.create_task(
+                stream_with_reconnect(
+                    lb.stream_url,
+                    FileSource(speech_dir / DRAIN_CLIP),
+                    pace=1.0,
+                    token=API_KEY,
+                    on_message=on_message,
+                )
+            )
+            await asyncio.wait_for(reached.wait(), 60)
+            now = [await sessions_total(i) for i in instances]
+            (d,) = [k for k in (0, 1) if now[k] > counts[k]]
+            draining, other = instances[d], instances[1 - d]
+            sigterm_at = time.monotonic()
+            draining.signal(signal.SIGTERM)
+            draining_exit = asyncio.create_task(exited_at(draining))
+
+            async def says_draining() -> bool:
+                return await draining.get("/readyz") == (503, "not ready: draining\n")
+
+            await wait_until(
+                f"{draining.name} /readyz to say draining", says_draining, timeout_s=10
+            )
+            figures["readyz_503_after_sigterm_s"] = round(time.monotonic() - sigterm_at, 2)
+            newcomers = [
+                await stream_audio(
+                    lb.stream_url,
+                    FileSource(speech_dir / "ljspeech/LJ001-0004.wav"),
+                    pace=0,
+                    token=API_KEY,
+                )
+                for _ in range(2)
+            ]
+            assert all(r.done.audio_received_s > 0 for r in newcomers)
+            await lb.haproxy.wait_for(draining.name, "DOWN", timeout_s=10)
+            drained = await asyncio.wait_for(drained_stream, 120)
+            figures["drain_sigterm_to_exit_s"] = round(await draining_exit - sigterm_at, 1)
+            assert await sessions_total(other) == now[1 - d] + 2  # the newcomers
+            assert len(drained.sessions) == 1  # served to its end on the draining instance
+            check_complete(drained.result, clip_s(speech_dir, DRAIN_CLIP))
+            assert wer(reference(manifest, DRAIN_CLIP), drained.text) <= MAX_WER_CLIP, drained.text
+            figures["drained_vs_direct_wer"] = round(wer(direct.text, drained.text), 3)
+            assert wer(direct.text, drained.text) <= 0.15, (direct.text, drained.text)
+            aligned = jiwer.process_words(normalize(direct.text), normalize(drained.text))
+            assert aligned.deletions == 0, (direct.text, drained.text)  # no word lost
+            log = draining.log_path.read_text()
+            assert "drained: every session ended" in log and "Traceback" not in log
+            assert figures["drain_sigterm_to_exit_s"] < DRAIN_S  # type: ignore[operator]
+
+            # -- restarted: no session while it warms up ----------------------------------
+            restarted = ServerInstance(
+                draining.name,
+                draining.port,
+                [*common, "--drain-s", str(SHORT_DRAIN_S)],
+                tmp_path / f"{draining.name}-restarted.log",
+            )
+            instances[d] = restarted
+            await restarted.start()
+            held, stop_holding = asyncio.Event(), asyncio.Event()
+            other_before = await sessions_total(other)
+            holder = asyncio.create_task(
+                hold_a_session(f"{lb.stream_url}?token={API_KEY}", held, stop_holding)
+            )
+            await asyncio.wait_for(held.wait(), 30)
+            with contextlib.suppress(ConnectionRefusedError):  # not even listening yet
+                assert (await restarted.get("/readyz"))[0] == 503  # still warming up
+            assert await sessions_total(other) == other_before + 1  # the held session
+            await restarted.wait_ready()
+            await lb.haproxy.wait_for(restarted.name, "UP", timeout_s=30)
+            assert await sessions_total(restarted) == 0
+
+            # -- a drain shorter than the session: finished (1001), resumed on the other ----
+            joined = joined_clip(speech_dir, RESUME_CLIPS, tmp_path / "joined.wav")
+            joined_s = float(load_clip(joined).shape[0]) / SAMPLE_RATE_HZ
+            reached, on_message = when_audio_reached(5.0)
+            reconnects: list[str] = []
+            resumed_stream = asyncio.create_task(
+                stream_with_reconnect(
+                    lb.stream_url,
+                    FileSource(joined),
+                    pace=1.0,
+                    token=API_KEY,
+                    on_message=on_message,
+                    on_reconnect=lambda why, _delay: reconnects.append(why),
+                    retry=RetryPolicy(backoff_first_s=0.2),
+                )
+            )
+            await asyncio.wait_for(reached.wait(), 60)
+            assert await sessions_total(restarted) == 1  # leastconn: the other holds one
+            other_before = await sessions_total(other)
+            sigterm_at = time.monotonic()
+            restarted.signal(signal.SIGTERM)
+            restarted_exit = asyncio.create_task(exited_at(restarted))
+            resumed = await asyncio.wait_for(resumed_stream, 120)
+            exit_s = await restarted_exit - sigterm_at
+            figures["short_drain_sigterm_to_exit_s"] = round(exit_s, 1)
+            assert exit_s < SHORT_DRAIN_S + ServerConfig().shutdown_timeout_s
+            assert f"drained for {SHORT_DRAIN_S} s; 1 session(s) still open" in (
+                restarted.log_path.read_text()
+            )
+            stop_holding.set()
+            await asyncio.wait_for(holder, 60)
+            assert len(resumed.sessions) == 2 and len(reconnects) == 1, reconnects
+            assert await sessions_total(other) == other_before + 1  # the reconnect landed there
+            first, second = resumed.sessions
+            cut_s = first.done.audio_received_s
+            # The second session goes on from the first one's last final words.
+            resume_s = [w for f in first.finals for w in f.words][-SEAM_WORDS:][0].start
+            figures["cut_at_s"] = round(cut_s, 2)
+            figures["resumed_from_s"] = round(resume_s, 2)
+            assert 5.0 <= cut_s < joined_s - 2.0  # finished mid-stream, by the drain's end
+            assert cut_s - 3.0 < resume_s <= cut_s
+            check_complete(first, cut_s)
+            check_complete(second, joined_s - resume_s)
+            assert resumed.result.done.audio_received_s == pytest.approx(joined_s, abs=0.11)
+            finals = resumed.result.finals
+            assert [f.segment_id for f in finals] == list(range(len(finals)))
+            assert all(f.start >= resume_s - 0.01 for f in finals[len(first.finals) :])
+            ref = reference(manifest, *RESUME_CLIPS)
+            assert wer(ref, resumed.text) <= MAX_WER_CLIP, resumed.text
+            figures["resumed_wer"] = round(wer(ref, resumed.text), 3)
+            figures["resumed_text"] = resumed.text
+            # Nothing lost at the seam: the words cut there are heard whole by the second
+            # session (tiny.en drops none of these two clips' words streamed directly).
+            aligned = jiwer.process_words(normalize(ref), normalize(resumed.text))
+            assert aligned.deletions == 0, (resumed.text, [r.text for r in resumed.sessions])
+    finally:
+        for instance in instances:
+            if instance.process is not None and instance.process.returncode is None:
+                instance.signal(signal.SIGINT)  # finish at once, no drain
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await instance.wait_exit(30)
+            await instance.stop()
+        artifacts = Path(__file__).parent / "artifacts"
+        artifacts.mkdir(exist_ok=True)
+        (artifacts / "deploy-haproxy.json").write_text(json.dumps(figures, indent=1) + "\n")

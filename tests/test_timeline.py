@@ -1,0 +1,58 @@
+"""``client.timeline``: later sessions' messages moved onto the source's timeline, and the
+words heard again at a seam dropped once."""
+
+from __future__ import annotations
+
+from client.timeline import drop_seam_repeat, shift_message
+from server.messages import DoneMessage, FinalMessage, PartialMessage, WordInfo
+
+
+def words(text: str, start_s: float) -> tuple[WordInfo, ...]:
+    """One word every 0.5 s from ``start_s``, each 0.4 s long."""
+    return tuple(
+        WordInfo(w, start_s + 0.5 * k, start_s + 0.5 * k + 0.4, 0.9)
+        for k, w in enumerate(text.split())
+    )
+
+
+def final_of(text: str, start_s: float) -> FinalMessage:
+    said = words(text, start_s)
+    return FinalMessage(0, text, said[0].start, said[-1].end, said, said[-1].end)
+
+
+def test_the_words_heard_again_at_the_seam_are_dropped_once() -> None:
+    seam = words("all the", 6.0)  # the last final words before the cut
+    # The next session began at 6.0, at the seam words, and heard them again.
+    heard = drop_seam_repeat(final_of("All the arts, and crafts", 6.0), seam, 6.0)
+    assert heard.text == "arts, and crafts" and [w.word for w in heard.words] == [
+        "arts,",
+        "and",
+        "crafts",
+    ]
+    assert heard.start == heard.words[0].start == 7.0
+    # One of them only (the other was cut), or none: what is new stays.
+    assert drop_seam_repeat(final_of("the arts", 6.5), seam, 6.0).text == "arts"
+    assert drop_seam_repeat(final_of("arts and", 6.5), seam, 6.0).text == "arts and"
+    # A repeat that is not at the seam is what the speaker said again.
+    assert drop_seam_repeat(final_of("all the", 7.5), seam, 6.0).text == "all the"
+    # All of it a repeat: an empty final keeps the segment ids in step.
+    empty = drop_seam_repeat(final_of("the", 6.5), seam, 6.0)
+    assert (empty.text, empty.words) == ("", ())
+
+
+def test_messages_of_a_later_session_are_moved_onto_the_sources_timeline() -> None:
+    final = FinalMessage(0, " hi", 1.0, 2.0, (WordInfo(" hi", 1.0, 1.5, 0.9),), 2.5, 0.1)
+    moved = shift_message(final, 10.0, 3)
+    assert isinstance(moved, FinalMessage)
+    assert (moved.segment_id, moved.start, moved.end, moved.audio_received_s) == (
+        3,
+        11.0,
+        12.0,
+        12.5,
+    )
+    assert (moved.words[0].start, moved.words[0].end, moved.lag_s) == (11.0, 11.5, 0.1)
+    partial = shift_message(PartialMessage(1, " a", 0.5, 0.7, 1.0), 10.0, 3)
+    assert partial == PartialMessage(4, " a", 10.5, 10.7, 11.0)
+    done = shift_message(DoneMessage(2, 5.0, 4.0, 6.0, 1.0, 4.0, 0.0), 10.0, 3)
+    assert done == DoneMessage(5, 15.0, 4.0, 6.0, 1.0, 4.0, 0.0)
+    assert shift_message(final, 0.0, 0) == final
