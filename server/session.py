@@ -23,6 +23,7 @@ How text is produced:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -413,6 +414,16 @@ class Session:
         ]
         if not job.request.prefix and self._segments:
             tail = self._drop_repeat_of_cut(self._segments[0], tail)
+        if self._segments and self._segments[0].committed:
+            # After a cut that carried words, the alignment can squeeze the new words onto the
+            # window's first frame, before the carried ones (seen on LJ long): they follow them.
+            floor = self._segments[0].committed[-1].end_s
+            tail = [
+                w
+                if w.start_s >= floor
+                else dataclasses.replace(w, start_s=floor, end_s=max(w.end_s, floor))
+                for w in tail
+            ]
         return tail
 
     def _drop_repeat_of_cut(self, seg: _Segment, tail: list[Word]) -> list[Word]:

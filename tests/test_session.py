@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+from collections.abc import Sequence
 from functools import lru_cache
 from itertools import pairwise
 from pathlib import Path
@@ -180,21 +181,34 @@ ACCURACY_CLIPS = tuple(f"ljspeech/LJ001-{k:04d}.wav" for k in range(1, 11))
 ACCURACY_MARGIN_POINTS = 1.0
 
 
-def test_short_clips_stream_as_accurately_as_offline(
-    engine: Engine, speech_dir: Path, manifest: list[ManifestRow]
+def _assert_streams_as_accurately_as_offline(
+    engine: Engine,
+    speech_dir: Path,
+    manifest: list[ManifestRow],
+    clips: Sequence[str],
+    streaming: StreamingConfig | None = None,
 ) -> None:
+    """Each clip its own session: the streamed finals' WER over ``clips`` within
+    ``ACCURACY_MARGIN_POINTS`` of offline decoding of the same clips."""
     refs = {r.file: r.transcript for r in manifest}
     streamed, offline = [], []
-    for name in ACCURACY_CLIPS:
+    for name in clips:
         audio = load_clip(speech_dir / name)
-        streamed.append(simulate(engine, audio, decode_cost_s=modelled_cost_s).text)
+        result = simulate(engine, audio, streaming=streaming, decode_cost_s=modelled_cost_s)
+        streamed.append(result.text)
         offline.append(transcribe_audio(engine, audio).text)
-    references = [refs[name] for name in ACCURACY_CLIPS]
+    references = [refs[name] for name in clips]
     streamed_wer, offline_wer = wer(references, streamed), wer(references, offline)
     assert streamed_wer <= offline_wer + ACCURACY_MARGIN_POINTS / 100, (
         f"streamed {streamed_wer:.3f} vs offline {offline_wer:.3f}",
         list(zip(streamed, offline, strict=True)),
     )
+
+
+def test_short_clips_stream_as_accurately_as_offline(
+    engine: Engine, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    _assert_streams_as_accurately_as_offline(engine, speech_dir, manifest, ACCURACY_CLIPS)
 
 
 # Long sentences with no pause to cut in: at a 4 s window every cut lands inside speech.
@@ -206,21 +220,8 @@ def test_cuts_inside_speech_lose_no_words(
 ) -> None:
     """Measured when this was written: streamed 4 errors, offline 5; cutting at the last
     word's end (``cut_carry_words=0``) gave 17, 15 of them words lost at the cuts."""
-    refs = {r.file: r.transcript for r in manifest}
     config = StreamingConfig(max_window_s=4.0, clause_cut_s=4.0)
-    streamed, offline = [], []
-    for name in CUT_CLIPS:
-        audio = load_clip(speech_dir / name)
-        streamed.append(
-            simulate(engine, audio, streaming=config, decode_cost_s=modelled_cost_s).text
-        )
-        offline.append(transcribe_audio(engine, audio).text)
-    references = [refs[name] for name in CUT_CLIPS]
-    streamed_wer, offline_wer = wer(references, streamed), wer(references, offline)
-    assert streamed_wer <= offline_wer + ACCURACY_MARGIN_POINTS / 100, (
-        f"streamed {streamed_wer:.3f} vs offline {offline_wer:.3f}",
-        list(zip(streamed, offline, strict=True)),
-    )
+    _assert_streams_as_accurately_as_offline(engine, speech_dir, manifest, CUT_CLIPS, config)
 
 
 @pytest.mark.parametrize("kind", ["silence", "noise"])
