@@ -191,6 +191,21 @@ async def haproxy_in_front(ports: list[int], tmp_path: Path) -> AsyncIterator[Ba
         await haproxy.stop()
 
 
+@contextlib.asynccontextmanager
+async def two_scripted_behind_haproxy(
+    config: ServerConfig, tmp_path: Path
+) -> AsyncIterator[tuple[WhisperwireServer, WhisperwireServer, Balanced]]:
+    """Two in-process servers with the stand-in engine behind HAProxy, both checked up."""
+    async with (
+        WhisperwireServer(ScriptedEngine, server=config) as one,
+        WhisperwireServer(ScriptedEngine, server=config) as two,
+        haproxy_in_front([one.port, two.port], tmp_path) as lb,
+    ):
+        await lb.haproxy.wait_for("ww1", "UP")
+        await lb.haproxy.wait_for("ww2", "UP")
+        yield one, two, lb
+
+
 def scripted_config(**overrides: object) -> ServerConfig:
     return ServerConfig(host="127.0.0.1", port=0, warmup=False, **overrides)  # type: ignore[arg-type]
 
@@ -205,13 +220,7 @@ async def test_authorization_origin_and_query_reach_the_instances(
 ) -> None:
     frames = pcm_frames(load_clip(speech_dir / "ljspeech/LJ001-0004.wav"))
     config = scripted_config(api_key=API_KEY, allowed_origins=("https://app.example",))
-    async with (
-        WhisperwireServer(ScriptedEngine, server=config) as one,
-        WhisperwireServer(ScriptedEngine, server=config) as two,
-        haproxy_in_front([one.port, two.port], tmp_path) as lb,
-    ):
-        await lb.haproxy.wait_for("ww1", "UP")
-        await lb.haproxy.wait_for("ww2", "UP")
+    async with two_scripted_behind_haproxy(config, tmp_path) as (one, two, lb):
         bearer = {"Authorization": f"Bearer {API_KEY}"}
         outcome = await stream_frames(lb.stream_url, frames, additional_headers=bearer)
         assert outcome.messages[-1]["type"] == "done" and outcome.close_code == 1000
@@ -256,13 +265,7 @@ async def test_a_draining_instance_gets_no_new_session_even_before_the_checks_se
     """Right after an instance starts draining HAProxy still thinks it is up; the handshakes
     it answers with 503 are sent on to the other instance (retry-on 503, redispatch)."""
     config = scripted_config(drain_s=60.0)
-    async with (
-        WhisperwireServer(ScriptedEngine, server=config) as draining,
-        WhisperwireServer(ScriptedEngine, server=config) as other,
-        haproxy_in_front([draining.port, other.port], tmp_path) as lb,
-    ):
-        await lb.haproxy.wait_for("ww1", "UP")
-        await lb.haproxy.wait_for("ww2", "UP")
+    async with two_scripted_behind_haproxy(config, tmp_path) as (draining, other, lb):
         async with connect(draining.url + "/v1/stream") as held:  # keeps the drain open
             await held.recv()
             drain = asyncio.create_task(draining.drain())
