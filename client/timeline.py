@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from server.hypothesis import normalize_word
 from server.messages import (
     DoneMessage,
     FinalMessage,
@@ -61,6 +60,12 @@ def shift_final(final: FinalMessage, offset_s: float, segments_before: int) -> F
     )
 
 
+def _comparable(word: str) -> str:
+    # Close to server.hypothesis.normalize_word, which the client may not import (it stays off
+    # the server's modules but the shared wire ones: tests/test_imports.py).
+    return "".join(ch for ch in word.casefold() if ch.isalnum())
+
+
 def drop_seam_repeat(
     final: FinalMessage, seam: tuple[WordInfo, ...], seam_s: float
 ) -> FinalMessage:
@@ -70,10 +75,8 @@ def drop_seam_repeat(
     words = final.words
     if not seam or not words or words[0].start > seam_s + SEAM_REPEAT_WINDOW_S:
         return final
-    opening = [normalize_word(w.word) for w in words]
-    before = [normalize_word(w.word) for w in seam]
     for n in range(min(len(seam), len(words)), 0, -1):
-        if opening[:n] == before[-n:]:
+        if [_comparable(w.word) for w in words[:n]] == [_comparable(w.word) for w in seam[-n:]]:
             kept = words[n:]
             if not kept:
                 return replace(final, text="", words=(), start=final.end)
