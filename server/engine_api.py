@@ -57,6 +57,9 @@ class StopReason(str, enum.Enum):
 class DecodeOptions:
     language: str | None = "en"  # None: detect (multilingual models only)
     task: str = "transcribe"  # or "translate" (multilingual models only)
+    # Run language detection even when ``language`` is given (DecodeResult.detected): a stream
+    # that decodes in its current language checks whether the speaker has switched.
+    detect_language: bool = False
     timestamps: bool = True  # segment timestamp tokens; they also curb loops on short contexts
     word_timestamps: bool = True  # word times from cross-attention alignment (DTW)
     max_initial_timestamp_s: float = 1.0  # the first timestamp may not be later than this
@@ -138,6 +141,9 @@ class DecodeResult:
     # end-of-text), also when the text is dropped: the next decode's draft.
     sequence: tuple[int, ...] = ()
     n_steps: int = 0  # sequential forward passes after the prefill this row needed
+    # The language detector's best guess and its probability, when it ran (language None or
+    # detect_language); multilingual models only.
+    detected: tuple[str, float] | None = None
 
     @property
     def is_speech(self) -> bool:

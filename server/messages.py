@@ -170,20 +170,31 @@ class PartialMessage:
     end: float
     audio_received_s: float
     lag_s: float | None = None  # speech received that no finished decode covered; see final
+    # Sessions that detect their language: the one this text is in and the detector's
+    # probability of it; ``language_provisional`` while the segment's language is not decided
+    # (the text is decoded in the best guess so far, and no word of it is final).
+    language: str | None = None
+    language_probability: float | None = None
+    language_provisional: bool = False
 
     def to_json(self) -> str:
         """Compact JSON, floats rounded to milliseconds."""
         return _dumps(
-            _with_optional(
-                {
-                    "type": "partial",
-                    "segment_id": self.segment_id,
-                    "text": self.text,
-                    "start": _ms(self.start),
-                    "end": _ms(self.end),
-                    "audio_received_s": _ms(self.audio_received_s),
-                },
-                lag_s=self.lag_s,
+            _with_language(
+                _with_optional(
+                    {
+                        "type": "partial",
+                        "segment_id": self.segment_id,
+                        "text": self.text,
+                        "start": _ms(self.start),
+                        "end": _ms(self.end),
+                        "audio_received_s": _ms(self.audio_received_s),
+                    },
+                    lag_s=self.lag_s,
+                ),
+                self.language,
+                self.language_probability,
+                provisional=self.language_provisional,
             )
         )
 
@@ -220,21 +231,30 @@ class FinalMessage:
     # Seconds of speech the server had received but not yet decoded when this was sent: how
     # far the text is behind the audio. Under overload it grows (audio waits, none is dropped).
     lag_s: float | None = None
+    # Sessions that detect their language: the decided language of this text, and the
+    # detector's probability of it. A final whose language differs from the previous one's
+    # says the speaker switched.
+    language: str | None = None
+    language_probability: float | None = None
 
     def to_json(self) -> str:
         """Compact JSON, floats rounded to milliseconds."""
         return _dumps(
-            _with_optional(
-                {
-                    "type": "final",
-                    "segment_id": self.segment_id,
-                    "text": self.text,
-                    "start": _ms(self.start),
-                    "end": _ms(self.end),
-                    "words": [w.to_obj() for w in self.words],
-                    "audio_received_s": _ms(self.audio_received_s),
-                },
-                lag_s=self.lag_s,
+            _with_language(
+                _with_optional(
+                    {
+                        "type": "final",
+                        "segment_id": self.segment_id,
+                        "text": self.text,
+                        "start": _ms(self.start),
+                        "end": _ms(self.end),
+                        "words": [w.to_obj() for w in self.words],
+                        "audio_received_s": _ms(self.audio_received_s),
+                    },
+                    lag_s=self.lag_s,
+                ),
+                self.language,
+                self.language_probability,
             )
         )
 
@@ -399,6 +419,9 @@ def _parse_partial(f: _Fields) -> PartialMessage:
         end=f.float_("end"),
         audio_received_s=f.float_("audio_received_s"),
         lag_s=f.opt_float("lag_s"),
+        language=f.opt_str("language"),
+        language_probability=f.opt_float("language_probability"),
+        language_provisional=f.opt_bool("language_provisional"),
     )
 
 
@@ -427,6 +450,8 @@ def _parse_final(f: _Fields) -> FinalMessage:
         words=tuple(words),
         audio_received_s=f.float_("audio_received_s"),
         lag_s=f.opt_float("lag_s"),
+        language=f.opt_str("language"),
+        language_probability=f.opt_float("language_probability"),
     )
 
 
@@ -563,6 +588,13 @@ class _Fields:
             return None
         return self.float_(key)
 
+    def opt_bool(self, key: str) -> bool:
+        """A boolean; False when absent (flags newer servers add)."""
+        if key not in self._obj:
+            self._seen.add(key)
+            return False
+        return self.bool_(key)
+
     def opt_int(self, key: str) -> int | None:
         """An integer, or None when absent."""
         if key not in self._obj:
@@ -663,6 +695,22 @@ def _ms(seconds: float) -> float:
 def _with_optional(obj: dict[str, object], **seconds: float | None) -> dict[str, object]:
     """``obj`` with the fields of ``seconds`` that are set, rounded to milliseconds."""
     obj.update({name: _ms(value) for name, value in seconds.items() if value is not None})
+    return obj
+
+
+def _with_language(
+    obj: dict[str, object],
+    language: str | None,
+    probability: float | None,
+    *,
+    provisional: bool = False,
+) -> dict[str, object]:
+    if language is not None:
+        obj["language"] = language
+    if probability is not None:
+        obj["language_probability"] = _ms(probability)
+    if provisional:
+        obj["language_provisional"] = True
     return obj
 
 

@@ -39,6 +39,7 @@ from .engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
 from .errors import ProtocolError
 from .formats import SAMPLE_RATE_HZ, AudioFormat
 from .hypothesis import Word, normalize_word
+from .language import LanguageTracker
 from .messages import (
     AUTO_LANGUAGE,
     ConfigMessage,
@@ -107,6 +108,10 @@ class _Segment:
     # decoded_to (set when a job is dispatched, reset after a failure), it only counts audio the
     # engine has actually heard: it bounds where a cut may go and measures the lag.
     heard_to: int = 0
+    # The language its words are committed in; None while a session that detects its language
+    # has not decided this segment's (its words stay partial until then).
+    language: str | None = None
+    detected: tuple[str, float] | None = None  # the last detection while undecided
 
 
 class Session:
@@ -135,6 +140,7 @@ class Session:
         self._prompt: list[int] = []
         self._prompt_ok = True
         self._language = self.streaming.language if multilingual else "en"
+        self._detector: LanguageTracker | None = None
         self._next_segment_id = 0
         self._next_job_id = 0
         self._in_flight: DecodeJob | None = None
@@ -168,7 +174,22 @@ class Session:
 
     @property
     def language(self) -> str | None:
+        """The language asked for; None: detected (``detected_language`` says which)."""
         return self._language
+
+    @property
+    def detected_language(self) -> str | None:
+        return self._detector.language if self._detector is not None else None
+
+    @property
+    def _detecting(self) -> LanguageTracker | None:
+        """The session's language tracker when it detects its language (made on first use,
+        after the client's config has settled the language)."""
+        if self._language is not None:
+            return None
+        if self._detector is None:
+            self._detector = LanguageTracker(self.streaming.detection)
+        return self._detector
 
     @property
     def lag_s(self) -> float:
@@ -230,6 +251,7 @@ class Session:
         self.streaming = StreamingConfig(
             **{**self.streaming.__dict__, "language": language, "task": task}
         )
+        self._detector = None
 
     def _end(self) -> None:
         self._ended = True
@@ -264,6 +286,7 @@ class Session:
             decoded_to=start,
             heard_to=start,
             policy=CommitPolicy(self.streaming.commit),
+            language=self._language,
         )
 
     def _close_open_segment(self, end: int, *, reopen: bool) -> None:
@@ -323,6 +346,13 @@ class Session:
             self._maybe_done()
             return self.next_job(min_hop_s=min_hop_s, crowded=crowded)
         audio = self._buffer.slice(seg.window_start, end)
+        detector = self._detecting
+        if seg.language is not None or detector is None:
+            options = DecodeOptions(language=seg.language, task=self.streaming.task)
+        else:
+            options = DecodeOptions(
+                language=detector.decode_language(), task=self.streaming.task, detect_language=True
+            )
         job = DecodeJob(
             session_id=self.session_id,
             job_id=self._next_job_id,
@@ -330,7 +360,7 @@ class Session:
             start_s=seg.window_start / SAMPLE_RATE_HZ,
             request=DecodeRequest(
                 audio_s=audio.shape[0] / SAMPLE_RATE_HZ,
-                options=DecodeOptions(language=self._language, task=self.streaming.task),
+                options=options,
                 prompt=tuple(self._prompt[-self.streaming.prompt_max_tokens :])
                 if self._prompt_ok
                 else (),
@@ -352,8 +382,9 @@ class Session:
         self._in_flight = None
         seg = self._segments[0]
         seg.heard_to = max(seg.heard_to, round(job.start_s * SAMPLE_RATE_HZ) + job.audio.shape[0])
-        if self._language is None and result.language:
-            self._language = result.language
+        if seg.language is None and not self._settle_language(seg, job, result):
+            self._maybe_done()
+            return
         self._prompt_ok = result.stop_reason not in (StopReason.REPETITION, StopReason.COMPRESSION)
         seg.draft = result.sequence
         tail = self._tail_words(job, result)
@@ -388,13 +419,68 @@ class Session:
         if seg.failures >= MAX_DECODE_FAILURES:
             # Keep what was shown; the audio that could not be decoded is reported, not retried
             # forever.
-            self._commit(seg, seg.policy.finalize())
+            shown = seg.policy.finalize() if seg.language is not None else seg.tentative
+            self._commit(seg, shown)
             if seg.end is None:
                 self._close_open_segment(seg.window_start + job.audio.shape[0], reopen=True)
             self._finish_segment_if_closed(seg, decoded=False)
             self._maybe_done()
         else:
             seg.decoded_to = seg.window_start  # retried with the next audio
+
+    def _settle_language(self, seg: _Segment, job: DecodeJob, result: DecodeResult) -> bool:
+        """A decode of a segment whose language is not decided: decide it when the detector
+        is sure enough (``LanguageTracker``). True when the result can be committed from;
+        False when it stays partial, or was decoded in a language the segment did not get
+        and the window is decoded again."""
+        detector = self._detecting
+        decision = (
+            detector.observe(
+                result.detected,
+                window_s=job.audio_s,
+                closing=job.closing,
+                is_speech=result.is_speech,
+            )
+            if detector is not None
+            else None
+        )
+        if decision is None:
+            seg.detected = result.detected
+            seg.draft = result.sequence
+            seg.tentative = self._tail_words(job, result)
+            self._emit_partial(seg, result.language, result.detected)
+            return False
+        seg.language = decision.language
+        if decision.changed:
+            self.log.info(
+                "language %s (p=%.2f) after %.1f s of speech",
+                decision.language,
+                decision.probability,
+                job.audio_s,
+            )
+            if self._prompt:
+                # Earlier text in another language would pull the decoder towards it.
+                self._prompt = []
+        if result.language == decision.language:
+            return True
+        seg.draft = ()
+        seg.tentative = []
+        seg.decoded_to = seg.window_start  # decoded again at once, in its language
+        return False
+
+    def _decide_before_cut(self, seg: _Segment) -> None:
+        """An undecided window reached its cap (a cap under ``decide_max_speech_s``): decide
+        as at a segment's end, and commit the words shown, decoded in that language (an
+        unsure detection keeps the language they were decoded in)."""
+        detector = self._detecting
+        decision = (
+            detector.observe(seg.detected, window_s=0.0, closing=True, is_speech=True)
+            if detector is not None
+            else None
+        )
+        if decision is not None:  # None: nothing of the window was decoded yet
+            seg.language = decision.language
+            self._commit(seg, seg.tentative)
 
     def _tail_words(self, job: DecodeJob, result: DecodeResult) -> list[Word]:
         """Words after the forced prefix, in stream time."""
@@ -450,6 +536,7 @@ class Session:
         text = "".join(w.text for w in words).strip()
         if not text:
             return
+        language, probability = self._language_fields(seg)
         self._events.append(
             FinalMessage(
                 segment_id=self._next_segment_id,
@@ -461,12 +548,34 @@ class Session:
                 ),
                 audio_received_s=self.audio_received_s,
                 lag_s=self.lag_s,
+                language=language,
+                language_probability=probability,
             )
         )
         self._next_segment_id += 1
         self._last_partial = None
 
-    def _emit_partial(self, seg: _Segment) -> None:
+    def _language_fields(self, seg: _Segment) -> tuple[str | None, float | None]:
+        """``language`` and ``language_probability`` of a decided segment's messages."""
+        if self._detector is None or seg.language is None:
+            return None, None
+        return seg.language, self._detector.probability
+
+    def _emit_partial(
+        self,
+        seg: _Segment,
+        guess: str | None = None,
+        detected: tuple[str, float] | None = None,
+    ) -> None:
+        """Send the segment's tentative words when they changed. ``guess``, ``detected``: an
+        undecided segment's decode language and the detector's guess (its probability is
+        reported when the two agree)."""
+        provisional = seg.language is None
+        if provisional:
+            language = guess
+            probability = detected[1] if detected and detected[0] == guess else None
+        else:
+            language, probability = self._language_fields(seg)
         words = seg.tentative
         text = "".join(w.text for w in words).strip()
         key = (self._next_segment_id, text)
@@ -477,7 +586,15 @@ class Session:
         end = words[-1].end_s if words else start
         self._events.append(
             PartialMessage(
-                self._next_segment_id, text, start, end, self.audio_received_s, self.lag_s
+                self._next_segment_id,
+                text,
+                start,
+                end,
+                self.audio_received_s,
+                self.lag_s,
+                language,
+                probability,
+                language_provisional=provisional,
             )
         )
 
@@ -581,7 +698,9 @@ class Session:
         decodes slower than its audio) holds more than ``max_window_s`` of undecoded speech,
         and a cut there would skip it. Without a cut the next job is the window's first
         ``max_window_s``; the cut follows once that was decoded."""
-        if not seg.committed and seg.tentative:
+        if seg.language is None:
+            self._decide_before_cut(seg)
+        elif not seg.committed and seg.tentative:
             self._commit(seg, seg.policy.finalize())
         heard = min(seg.heard_to, limit)
         at, carry = self._cut_point(seg, heard)

@@ -44,6 +44,17 @@ def engine() -> Iterator[Engine]:
     yield eng
 
 
+@pytest.fixture(scope="session")
+def base_engine() -> Iterator[Engine]:
+    """The multilingual ``base`` model (the ``base`` extra, which ``make install`` installs),
+    loaded once per session, for the language-detection tests."""
+    from server.engine.engine import Engine, EngineConfig
+
+    eng = Engine.load(EngineConfig(model="base"))
+    eng.warmup()
+    yield eng
+
+
 @pytest_asyncio.fixture(loop_scope="session", scope="session")
 async def server_url(engine: Engine) -> AsyncIterator[str]:
     """A real server with the real model, in this process on 127.0.0.1 and a free port.

@@ -510,3 +510,27 @@ def test_a_draft_never_pushes_the_decode_past_the_text_context(
     spec = request.decode(engine, draft=plain.sequence)
     _assert_same_decode(spec, plain)
     assert spec.n_steps == plain.n_steps - 2
+
+
+def test_detection_beside_a_given_language_reports_it_and_changes_nothing_else(
+    base_engine: Engine, speech_dir: Path
+) -> None:
+    """``detect_language`` measures the language of a window decoded in a given one (how a
+    session notices a speaker who switched); the decode itself is the same."""
+    audio = load_clip(speech_dir / "picovoice/test_de.wav")
+    mel = base_engine.features(audio)
+
+    def decode(language: str | None, detect: bool) -> DecodeResult:
+        options = DecodeOptions(language=language, detect_language=detect)
+        request = DecodeRequest(audio.shape[0] / SAMPLE_RATE_HZ, options)
+        return base_engine.decode_windows([Window(mel, request)])[0]
+
+    plain, measured = decode("de", False), decode("de", True)
+    assert plain.detected is None
+    assert measured.tokens == plain.tokens and measured.language == "de"
+    assert measured.detected is not None and measured.detected[0] == "de"
+    assert measured.detected[1] > 0.9
+    detected = decode(None, False)  # no language: detected and decoded in it
+    assert detected.language == "de" and detected.detected == measured.detected
+    in_english = decode("en", True)  # decoded as asked, the detector still says German
+    assert in_english.language == "en" and in_english.detected == measured.detected

@@ -51,7 +51,7 @@ def make_install_recipe() -> list[str]:
 def test_make_install_runs_the_install_script_and_nothing_else() -> None:
     recipe = make_install_recipe()
     assert recipe == [
-        "PYTHON=python3 VENV=.venv bash deploy/install.sh dev",
+        "PYTHON=python3 VENV=.venv bash deploy/install.sh dev,base",
         "touch .venv/.installed",
     ]
 

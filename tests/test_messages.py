@@ -54,6 +54,9 @@ SERVER_MESSAGES: list[ServerMessage] = [
     PartialMessage(1, " so", 0.5, 0.9, 1.3, lag_s=0.412),
     FinalMessage(2, " so", 0.5, 0.9, (), 1.3, lag_s=12.25),
     DoneMessage(3, 10.435, 9.2, 10.9, non_speech_s=1.235, transcribed_s=8.7, failed_s=0.5),
+    PartialMessage(4, " und", 7.1, 7.6, 7.9, 0.3, "de", None, language_provisional=True),
+    PartialMessage(4, " und so", 7.1, 7.9, 8.2, 0.3, "de", 0.934),
+    FinalMessage(5, " Der Raum", 7.1, 8.0, (), 8.5, 0.2, "de", 0.998),
 ]
 
 
@@ -108,6 +111,25 @@ def test_fields_added_within_v1_are_optional_both_ways() -> None:
     assert (obj["non_speech_s"], obj["transcribed_s"], obj["failed_s"]) == (0.5, 1.0, 0.5)
     with pytest.raises(ProtocolError, match="'lag_s' must be a number"):
         parse_server_message(old_partial[:-1] + ',"lag_s":"1"}')
+
+
+def test_language_fields_are_sent_only_by_sessions_that_detect() -> None:
+    plain = json.loads(FinalMessage(0, " a", 0.0, 1.0, (), 1.0).to_json())
+    assert not {"language", "language_probability", "language_provisional"} & set(plain)
+    partial = PartialMessage(0, " a", 0.0, 1.0, 1.0, None, "de", 0.9, language_provisional=True)
+    obj = json.loads(partial.to_json())
+    assert (obj["language"], obj["language_probability"], obj["language_provisional"]) == (
+        "de",
+        0.9,
+        True,
+    )
+    decided = json.loads(PartialMessage(0, " a", 0.0, 1.0, 1.0, None, "de", 0.9).to_json())
+    assert "language_provisional" not in decided
+    with pytest.raises(ProtocolError, match="'language_provisional' must be true or false"):
+        parse_server_message(
+            '{"type":"partial","segment_id":0,"text":"a","start":0,"end":1,'
+            '"audio_received_s":1,"language_provisional":1}'
+        )
 
 
 def test_server_parser_refuses_another_protocol_version() -> None:

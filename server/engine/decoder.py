@@ -213,6 +213,7 @@ class _Row:
     stop: StopReason = StopReason.MAX_TOKENS
     done: bool = False
     n_steps: int = 0
+    detected: tuple[str, float] | None = None
 
 
 class _Walk:
@@ -394,10 +395,12 @@ class StreamingDecoder:
             return []
         if len(features) != len(requests):
             raise ValueError(f"{len(requests)} requests but {len(features)} encoder outputs")
-        languages = self._languages(requests, features)
+        languages, detected = self._languages(requests, features)
         prompts = [self._prompt(r, lang) for r, lang in zip(requests, languages, strict=True)]
         cross, cross_mask, lengths = self._cross(features)
         rows = self._rows(requests, languages, prompts, lengths)
+        for row, guess in zip(rows, detected, strict=True):
+            row.detected = guess
         caches = self._cache(len(rows))
         cpu_step = self._cpu_step if len(rows) <= CPU_STEP_MAX_ROWS else None
         if cpu_step is not None and all(len(r.prompt.tokens) == 1 and not r.draft for r in rows):
@@ -421,18 +424,25 @@ class StreamingDecoder:
 
     def _languages(
         self, requests: list[DecodeRequest], features: list[mx.array]
-    ) -> list[str | None]:
-        """Each request's language: its own, detected when None, English for English-only
-        models."""
+    ) -> tuple[list[str | None], list[tuple[str, float] | None]]:
+        """Each request's language (its own, detected when None, English for English-only
+        models) and the detector's guess where it ran."""
         if not self.vocab.multilingual:
-            return ["en"] * len(requests)
+            return ["en"] * len(requests), [None] * len(requests)
         languages = [r.options.language for r in requests]
-        needs = [i for i, lang in enumerate(languages) if lang is None]
+        detected: list[tuple[str, float] | None] = [None] * len(requests)
+        needs = [
+            i
+            for i, r in enumerate(requests)
+            if r.options.language is None or r.options.detect_language
+        ]
         if needs:
-            detected = self.detect_language([features[i] for i in needs])
-            for i, (lang, _) in zip(needs, detected, strict=True):
-                languages[i] = lang
-        return languages
+            guesses = self.detect_language([features[i] for i in needs])
+            for i, guess in zip(needs, guesses, strict=True):
+                detected[i] = guess
+                if languages[i] is None:
+                    languages[i] = guess[0]
+        return languages, detected
 
     def _prompt(self, r: DecodeRequest, language: str | None) -> _Prompt:
         """Earlier text, the start tokens and the forced prefix of one request."""
@@ -828,6 +838,7 @@ class StreamingDecoder:
             n_generated=len(generated),
             sequence=tuple(seq),
             n_steps=row.n_steps,
+            detected=row.detected,
         )
 
     def _segments(self, seq: list[int]) -> tuple[Segment, ...]:
