@@ -19,15 +19,18 @@ def single_header(headers: Headers, name: str) -> str | None:
     return values[0] if len(values) == 1 else None
 
 
-def api_key_offered(request: Request, api_key: str) -> bool:
-    """True when the request carries ``api_key``, as ``Authorization: Bearer KEY`` or in
-    the ``token`` query parameter."""
+def api_key_offered(
+    request: Request, api_key: str, *, schemes: tuple[str, ...] = ("bearer",)
+) -> bool:
+    """True when the request carries ``api_key``, as ``Authorization: SCHEME KEY`` with one
+    of ``schemes`` (lower case; Deepgram's clients send ``Token``) or in the ``token`` query
+    parameter."""
     expected = api_key.encode("utf-8")
     offered: list[str] = []
     auth = single_header(request.headers, "Authorization")
     if auth is not None:
         scheme, _, value = auth.partition(" ")
-        if scheme.lower() == "bearer":
+        if scheme.lower() in schemes:
             offered.append(value.strip())
     offered.extend(parse_qs(urlsplit(request.path).query).get("token", []))
     # compare_digest: the time taken must not tell how many leading bytes were right.

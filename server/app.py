@@ -4,7 +4,9 @@ open connections, signals and graceful shutdown.
 One port serves both the WebSocket protocol of ``docs/protocol.md`` on ``/v1/stream``
 (``connection.py``) and HTTP: the browser page, ``/healthz``, ``/readyz`` and ``/metrics``,
 answered before any handshake (``routes.py``, with the API key and Origin checks of
-``access.py``).
+``access.py``). OpenAI's Realtime transcription (``/v1/realtime``) and Deepgram's live API
+(``/v1/listen``) are served by the same connections through their adapters
+(``docs/compat.md``).
 
 Admission: a new stream is refused (``server_full``, 1013) when ``max_sessions`` are open, or
 when as many are open as the decode lanes are measured to keep in real time
@@ -29,25 +31,35 @@ import logging
 import secrets
 import signal
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
+from .adapters import Adapter
 from .config import PipelineConfig, ServerConfig, StreamingConfig, VadConfig
-from .connection import SHUTDOWN, Connection, close_quietly, refuse
+from .connection import SHUTDOWN, Connection, V1Adapter, close_quietly, refuse
+from .deepgram_live import LISTEN_PATH, DeepgramAdapter
 from .engine_api import SpeechEngine
 from .messages import MAX_TEXT_MESSAGE_BYTES
 from .metrics import Metrics
+from .openai_realtime import REALTIME_PATH, RealtimeAdapter
 from .pipeline import Pipeline
-from .routes import process_request
+from .routes import STREAM_PATH, process_request
 
 logger = logging.getLogger("server.app")
 
 # Frames up to max_frame_bytes + this reach our own check, which answers with an error message
 # before closing 1009; larger ones are cut off by websockets itself (1009 without a message).
 FRAME_SIZE_SLACK_BYTES = 64 * 1024
+# The API each stream path speaks; routes.py let only these paths' handshakes through.
+ADAPTERS: Mapping[str, Callable[[], Adapter]] = {
+    STREAM_PATH: V1Adapter,
+    REALTIME_PATH: RealtimeAdapter,
+    LISTEN_PATH: DeepgramAdapter,
+}
 
 
 # --------------------------------------------------------------------------- the server
@@ -299,6 +311,8 @@ class WhisperwireServer:
     async def _handle(self, ws: ServerConnection) -> None:
         session_id = secrets.token_hex(6)
         log = logging.LoggerAdapter(logger, {"session_id": session_id})
+        path = urlsplit(ws.request.path if ws.request is not None else "").path
+        adapter = ADAPTERS.get(path, V1Adapter)()
         if self._closing or not self.pipeline.ready:
             await close_quietly(ws, 1001, "server shutting down", self.config.close_timeout_s)
             return
@@ -309,7 +323,7 @@ class WhisperwireServer:
             self.metrics.sessions_refused.inc(1, "server_full" if at_max else "capacity")
             self.metrics.errors.inc(1, "server_full")
             log.warning("refused: %s", full)
-            await refuse(ws, "server_full", full, 1013, self.config.close_timeout_s)
+            await refuse(ws, "server_full", full, 1013, self.config.close_timeout_s, adapter)
             return
         conn = Connection(
             ws,
@@ -319,6 +333,7 @@ class WhisperwireServer:
             config=self.config,
             streaming=self.streaming,
             vad=self.vad,
+            adapter=adapter,
         )
         self._connections.add(conn)
         self._no_connections.clear()
@@ -330,7 +345,9 @@ class WhisperwireServer:
             # The catch-all: a bug must end this connection only, with 1011, and be logged.
             log.error("connection failed", exc_info=True)
             self.metrics.errors.inc(1, "internal")
-            await refuse(ws, "internal", "internal server error", 1011, conn.close_timeout_s)
+            await refuse(
+                ws, "internal", "internal server error", 1011, conn.close_timeout_s, adapter
+            )
         finally:
             self._connections.discard(conn)
             self.metrics.sessions_active.set(len(self._connections))

@@ -1,4 +1,4 @@
-"""One WebSocket connection on ``/v1/stream``: the state machine that serves a client.
+"""One WebSocket connection: the state machine that serves a client.
 
 Each connection gets a ``Session`` (the streaming core) and a ``StreamDriver`` (its jobs
 through the shared ``Pipeline``), and three tasks of its own: ingest (frames in), send
@@ -7,6 +7,10 @@ through the shared ``Pipeline``), and three tasks of its own: ingest (frames in)
 Close codes: 1000 after ``done``; 1001 on server shutdown (after ``done``); 1003 bad audio;
 1008 protocol misuse or a client that does not read; 1009 a frame too large; 1011 an internal
 error (the server's catch-all); 1013 server full or session too long.
+
+What the client says and is told goes through an ``Adapter`` (``adapters.py``): protocol v1
+(``V1Adapter``, here) on ``/v1/stream``, or another vendor's API translated onto the same
+session, so every API shares this machinery.
 
 Everything about one client lives here and on its ``Session``, never on the server.
 """
@@ -24,11 +28,13 @@ from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request
 
+from .adapters import Adapter, SessionSettings
 from .config import ServerConfig, StreamingConfig, VadConfig
 from .errors import ProtocolError, StreamError
 from .formats import AudioFormat
-from .messages import ErrorMessage, ReadyMessage
+from .messages import ErrorMessage, ReadyMessage, ServerMessage
 from .metrics import Metrics
 from .pipeline import DriverOutcome, Pipeline, StreamDriver
 from .session import Session
@@ -78,13 +84,87 @@ async def close_quietly(
 
 
 async def refuse(
-    ws: ServerConnection, code: str, message: str, close_code: int, timeout_s: float
+    ws: ServerConnection,
+    code: str,
+    message: str,
+    close_code: int,
+    timeout_s: float,
+    adapter: Adapter | None = None,
 ) -> None:
-    """Send one fatal error message and close with ``close_code``."""
+    """Send one fatal error message (in ``adapter``'s shape; v1's by default) and close with
+    ``close_code``."""
+    speaks = adapter or V1Adapter()
+    error = speaks.error_message(code, message, fatal=True, audio_received_s=0.0)
+
+    async def send_all() -> None:
+        for text in speaks.render(error):
+            await ws.send(text)
+
     # The client may be gone or not reading; the close below runs either way.
     with contextlib.suppress(ConnectionClosed, asyncio.TimeoutError):
-        await asyncio.wait_for(ws.send(ErrorMessage(code, message, True, 0.0).to_json()), timeout_s)
+        await asyncio.wait_for(send_all(), timeout_s)
     await close_quietly(ws, close_code, message, timeout_s)
+
+
+class V1Adapter:
+    """Protocol v1 (``docs/protocol.md``): the session's own messages, as they are."""
+
+    def open_session(self, settings: SessionSettings, request: Request | None) -> Session:
+        """A session configured from the URL query; raises ProtocolError (1008) for bad
+        values. The query takes the same fields, and gets the same checks, as ``config``."""
+        session = Session(
+            settings.session_id,
+            audio_format=AudioFormat(),
+            streaming=settings.streaming,
+            vad=settings.vad,
+            multilingual=settings.multilingual,
+        )
+        params = parse_qs(urlsplit(request.path if request else "").query)
+        fields: dict[str, Any] = {}
+        for key in QUERY_FIELDS:
+            values = params.get(key)
+            if not values:
+                continue
+            value = values[-1]
+            if key == "sample_rate":
+                if not value.isdigit() or len(value) > 6:
+                    raise ProtocolError(
+                        f"query parameter 'sample_rate' must be an integer; got {value[:20]!r}",
+                        close_code=1008,
+                    )
+                fields[key] = int(value)
+            else:
+                fields[key] = value
+        if fields:
+            try:
+                session.receive_text(json.dumps({"type": "config", **fields}))
+            except ProtocolError as exc:
+                raise ProtocolError(f"in the URL query: {exc}", close_code=1008) from exc
+        session.events_to_send()  # configuring emits nothing; start from a clean slate
+        return session
+
+    def receive(self, frame: str | bytes, driver: StreamDriver) -> None:
+        """Text frames are messages, binary frames audio."""
+        if isinstance(frame, str):
+            driver.receive_text(frame)
+        else:
+            driver.receive_audio(frame)
+
+    def render(self, message: ServerMessage) -> list[str]:
+        """The message's own JSON."""
+        return [message.to_json()]
+
+    def error_message(
+        self,
+        code: str,
+        message: str,
+        *,
+        fatal: bool,
+        audio_received_s: float,
+        cause: StreamError | None = None,
+    ) -> ErrorMessage:
+        """v1's ``error``."""
+        return ErrorMessage(code, message, fatal, audio_received_s)
 
 
 class Connection:
@@ -103,6 +183,7 @@ class Connection:
         config: ServerConfig,
         streaming: StreamingConfig,
         vad: VadConfig,
+        adapter: Adapter | None = None,
     ) -> None:
         self.ws = ws
         self.session_id = session_id
@@ -111,6 +192,7 @@ class Connection:
         self.config = config
         self.streaming = streaming
         self.vad = vad
+        self.adapter: Adapter = adapter or V1Adapter()
         self.close_timeout_s = config.close_timeout_s
         self.log = logging.LoggerAdapter(logger, {"session_id": session_id})
         loop = asyncio.get_running_loop()
@@ -141,39 +223,16 @@ class Connection:
 
     # -- setup -----------------------------------------------------------------------------
     def _open_session(self) -> Session:
-        """A session configured from the URL query; raises ProtocolError (1008) for bad
-        values. The query takes the same fields, and gets the same checks, as ``config``."""
+        """The adapter's session for this request; raises StreamError to refuse it."""
         engine = self.pipeline.engine
-        session = Session(
-            self.session_id,
-            audio_format=AudioFormat(),
+        settings = SessionSettings(
+            session_id=self.session_id,
             streaming=self.streaming,
             vad=self.vad,
             multilingual=engine.dims.is_multilingual,
+            model=engine.name,
         )
-        params = parse_qs(urlsplit(self.ws.request.path if self.ws.request else "").query)
-        fields: dict[str, Any] = {}
-        for key in QUERY_FIELDS:
-            values = params.get(key)
-            if not values:
-                continue
-            value = values[-1]
-            if key == "sample_rate":
-                if not value.isdigit() or len(value) > 6:
-                    raise ProtocolError(
-                        f"query parameter 'sample_rate' must be an integer; got {value[:20]!r}",
-                        close_code=1008,
-                    )
-                fields[key] = int(value)
-            else:
-                fields[key] = value
-        if fields:
-            try:
-                session.receive_text(json.dumps({"type": "config", **fields}))
-            except ProtocolError as exc:
-                raise ProtocolError(f"in the URL query: {exc}", close_code=1008) from exc
-        session.events_to_send()  # configuring emits nothing; start from a clean slate
-        return session
+        return self.adapter.open_session(settings, self.ws.request)
 
     # -- tasks -----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -183,7 +242,14 @@ class Connection:
             session = self._open_session()
         except StreamError as exc:
             self.log.info("refused: %s", exc)
-            await refuse(self.ws, exc.code, str(exc), exc.close_code or 1008, self.close_timeout_s)
+            await refuse(
+                self.ws,
+                exc.code,
+                str(exc),
+                exc.close_code or 1008,
+                self.close_timeout_s,
+                self.adapter,
+            )
             return
         driver = StreamDriver(
             session, self.pipeline, max_pending_messages=self.config.max_pending_messages
@@ -236,14 +302,19 @@ class Connection:
                     continue  # the session is being finished; later frames are not part of it
                 before_s = session.audio_received_s
                 try:
-                    if isinstance(message, str):
-                        driver.receive_text(message)
-                    else:
-                        driver.receive_audio(message)
+                    self.adapter.receive(message, driver)
                 except StreamError as exc:
                     fatal = exc.close_code is not None
                     self.log.info("client error %s (fatal=%s): %s", exc.code, fatal, exc)
-                    driver.send(ErrorMessage(exc.code, str(exc), fatal, session.audio_received_s))
+                    driver.send(
+                        self.adapter.error_message(
+                            exc.code,
+                            str(exc),
+                            fatal=fatal,
+                            audio_received_s=session.audio_received_s,
+                            cause=exc,
+                        )
+                    )
                     if fatal:
                         self.accepting = False
                         return exc
@@ -262,7 +333,8 @@ class Connection:
             while True:
                 message = await outbox.get()
                 try:
-                    await self.ws.send(message.to_json())
+                    for text in self.adapter.render(message):
+                        await self.ws.send(text)
                 finally:
                     outbox.task_done()
         except ConnectionClosed:
@@ -351,11 +423,11 @@ class Connection:
                 self.accepting = False
                 if stopping.error_code is not None:
                     driver.send(
-                        ErrorMessage(
+                        self.adapter.error_message(
                             stopping.error_code,
                             stopping.message,
-                            True,
-                            driver.session.audio_received_s,
+                            fatal=True,
+                            audio_received_s=driver.session.audio_received_s,
                         )
                     )
                 driver.end()

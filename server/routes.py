@@ -1,9 +1,10 @@
 """HTTP on the stream's port: the browser page, ``/healthz``, ``/readyz``, ``/metrics``.
 
 websockets hands every request to ``process_request`` before any WebSocket handshake; a
-``Response`` answers it there, None lets the handshake on ``STREAM_PATH`` go on. The stream
-path is checked here too (readiness, API key, Origin), so a refused client gets an HTTP
-status rather than a WebSocket that closes at once.
+``Response`` answers it there, None lets the handshake on a stream path go on. The stream
+paths (``STREAM_PATH`` and the vendor APIs of ``STREAM_APIS``) are checked here too
+(readiness, API key, Origin, the API's own query), so a refused client gets an HTTP status
+rather than a WebSocket that closes at once.
 
 The page's files are package data of ``server`` (``server/web``).
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 import email.utils
 import importlib.resources
 import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -20,12 +23,29 @@ from urllib.parse import urlsplit
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
+from . import deepgram_live, openai_realtime
 from .access import api_key_offered, origin_allowed
 from .config import ServerConfig
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 
 STREAM_PATH = "/v1/stream"
+
+
+@dataclass(frozen=True)
+class StreamApi:
+    """A vendor API served on its own path: how its handshake is checked."""
+
+    auth_schemes: tuple[str, ...]  # Authorization schemes that carry the API key
+    problem: Callable[[Request], str | None]  # why the request is refused with 400, or None
+
+
+STREAM_APIS: Mapping[str, StreamApi] = {
+    openai_realtime.REALTIME_PATH: StreamApi(("bearer",), openai_realtime.handshake_problem),
+    deepgram_live.LISTEN_PATH: StreamApi(
+        deepgram_live.AUTH_SCHEMES, deepgram_live.handshake_problem
+    ),
+}
 WEB_FOLDER = "web"  # under the server package
 _STATIC_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 CONTENT_TYPES = {
@@ -108,6 +128,16 @@ def process_request(server: ServerState, request: Request) -> Response | None:
     path = urlsplit(request.path).path
     if path == STREAM_PATH:
         return _check_stream_request(server, request)
+    api = STREAM_APIS.get(path)
+    if api is not None:
+        refused = _check_stream_request(server, request, api.auth_schemes)
+        if refused is not None:
+            return refused
+        problem = api.problem(request)
+        if problem is not None:
+            server.metrics.sessions_refused.inc(1, "bad_request")
+            return response(HTTPStatus.BAD_REQUEST, problem + "\n")
+        return None
     if path == "/healthz":
         return response(HTTPStatus.OK, "ok\n")
     if path == "/readyz":
@@ -126,7 +156,9 @@ def process_request(server: ServerState, request: Request) -> Response | None:
     return response(HTTPStatus.NOT_FOUND, f"not found: {path[:100]}\n")
 
 
-def _check_stream_request(server: ServerState, request: Request) -> Response | None:
+def _check_stream_request(
+    server: ServerState, request: Request, auth_schemes: tuple[str, ...] = ("bearer",)
+) -> Response | None:
     """Refuse the handshake (HTTP status) for an unready server, a bad token or Origin."""
     config, metrics = server.config, server.metrics
     if not server.ready:
@@ -139,7 +171,9 @@ def _check_stream_request(server: ServerState, request: Request) -> Response | N
             f"the server is not ready ({state}); retry later\n",
             headers={"Retry-After": "5"},
         )
-    if config.api_key is not None and not api_key_offered(request, config.api_key):
+    if config.api_key is not None and not api_key_offered(
+        request, config.api_key, schemes=auth_schemes
+    ):
         metrics.sessions_refused.inc(1, "unauthorized")
         return response(
             HTTPStatus.UNAUTHORIZED,

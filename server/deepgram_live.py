@@ -1,0 +1,475 @@
+"""Deepgram's live streaming API (``/v1/listen``), translated onto the v1 ``Session``.
+
+The message names and fields are those of the ``deepgram-sdk`` package's ``listen/v1`` types.
+Options come in the URL query and are checked before the handshake (``handshake_problem``:
+HTTP 400 for anything we cannot honour). Audio is binary frames of ``linear16``; text frames
+are ``KeepAlive``, ``Finalize`` and ``CloseStream``.
+
+What the server sends:
+
+- ``Results`` with ``is_final: false`` (``interim_results=true``): our partial, the words not
+  yet final; without word times (v1's partials carry none).
+- ``Results`` with ``is_final: true``: our finals, with word times and confidences. The finals
+  of speech that has ended (or was finalised) are held until all of it is final, then sent as
+  one ``Results`` with ``speech_final: true`` (or ``from_finalize: true``): holding costs
+  nothing, as that moment comes with the last decode of the segment.
+- ``SpeechStarted`` (``vad_events=true``), ``UtteranceEnd`` (``utterance_end_ms``: sent once
+  the audio has run that long past the last final word with no new words), ``Metadata`` after
+  ``CloseStream``, then close 1000; ``Error`` for refused input.
+
+``endpointing`` (ms of silence before ``speech_final``) is honoured as at least the server's
+own end-of-speech silence: a smaller value is served at the server's, a larger one lengthens
+this session's silence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import unicodedata
+import uuid
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from websockets.http11 import Request
+
+from .adapters import AdapterEvent, SessionSettings, Settled, TurnSession
+from .errors import ProtocolError, StreamError
+from .formats import MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, AudioFormat
+from .messages import (
+    AUTO_LANGUAGE,
+    ConfigMessage,
+    DoneMessage,
+    EndMessage,
+    ErrorMessage,
+    FinalMessage,
+    FlushMessage,
+    PartialMessage,
+    ServerMessage,
+    SpeechEndedMessage,
+    SpeechStartedMessage,
+)
+from .pipeline import StreamDriver
+from .session import Session
+
+LISTEN_PATH = "/v1/listen"
+AUTH_SCHEMES = ("token", "bearer")  # Deepgram's API keys, and its temporary tokens
+MIN_UTTERANCE_END_MS = 1000  # Deepgram's own floor for utterance_end_ms
+# Options whose "false" is what we do anyway; "true" would ask for something we do not have.
+OFF_ONLY = (
+    "detect_entities",
+    "diarize",
+    "dictation",
+    "filler_words",
+    "measurements",
+    "multichannel",
+    "numerals",
+    "profanity_filter",
+    "smart_format",
+)
+QUERY_PARAMETERS = (
+    "encoding",
+    "sample_rate",
+    "channels",
+    "language",
+    "interim_results",
+    "punctuate",
+    "endpointing",
+    "utterance_end_ms",
+    "vad_events",
+    "model",  # any name: the server's model serves it, and Metadata names it
+    "token",  # our API key in the URL, as on /v1/stream
+    *OFF_ONLY,
+)
+CHANNEL = [0, 1]  # channel index, of channel count: the one channel there is
+
+
+@dataclass(frozen=True)
+class ListenOptions:
+    """The query options of one stream, checked."""
+
+    sample_rate_hz: int
+    language: str | None = "en"  # a Whisper code; None: detect
+    interim_results: bool = False
+    punctuate: bool = False
+    endpointing: bool = True  # False: never speech_final
+    endpointing_ms: int = 10  # Deepgram's default
+    utterance_end_ms: int | None = None
+    vad_events: bool = False
+
+
+def parse_options(path: str) -> ListenOptions:
+    """The options in a ``/v1/listen`` URL. Raises ``ValueError`` saying what is wrong."""
+    query = parse_qs(urlsplit(path).query, keep_blank_values=True)
+    unknown = sorted(set(query) - set(QUERY_PARAMETERS))
+    if unknown:
+        raise ValueError(
+            f"unsupported option(s): {', '.join(k[:40] for k in unknown[:5])}; this server takes "
+            f"{', '.join(QUERY_PARAMETERS)}"
+        )
+
+    def one(name: str) -> str | None:
+        values = query.get(name)
+        return values[-1] if values else None
+
+    def flag(name: str, default: bool) -> bool:
+        value = one(name)
+        if value is None:
+            return default
+        if value not in ("true", "false"):
+            raise ValueError(f"{name} must be true or false; got {value[:20]!r}")
+        return value == "true"
+
+    for name in OFF_ONLY:
+        if flag(name, False):
+            raise ValueError(f"{name}=true is not available on this server")
+    if one("encoding") != "linear16":
+        raise ValueError(
+            f"encoding={(one('encoding') or '')[:20]} is not supported: send raw "
+            "encoding=linear16 (containerized audio is not decoded)"
+        )
+    if one("channels") not in (None, "1"):
+        raise ValueError("only channels=1 is supported")
+    rate = one("sample_rate")
+    if rate is None or not rate.isdigit() or len(rate) > 6:
+        raise ValueError("sample_rate (Hz) is required with encoding=linear16")
+    if not MIN_SAMPLE_RATE_HZ <= int(rate) <= MAX_SAMPLE_RATE_HZ:
+        raise ValueError(f"sample_rate must be {MIN_SAMPLE_RATE_HZ} to {MAX_SAMPLE_RATE_HZ} Hz")
+    language = _language(one("language") or "en")
+    endpointing = one("endpointing")
+    endpointing_ms = 10
+    if endpointing not in (None, "false", "true"):
+        if not endpointing.isdigit() or len(endpointing) > 6:
+            raise ValueError(f"endpointing must be false or milliseconds; got {endpointing[:20]!r}")
+        endpointing_ms = int(endpointing)
+    interim = flag("interim_results", False)
+    utterance_end = one("utterance_end_ms")
+    utterance_end_ms = None
+    if utterance_end is not None:
+        if not utterance_end.isdigit() or len(utterance_end) > 6:
+            raise ValueError(f"utterance_end_ms must be milliseconds; got {utterance_end[:20]!r}")
+        utterance_end_ms = int(utterance_end)
+        if utterance_end_ms < MIN_UTTERANCE_END_MS:
+            raise ValueError(f"utterance_end_ms must be at least {MIN_UTTERANCE_END_MS}")
+        if not interim:
+            raise ValueError("utterance_end_ms needs interim_results=true")
+    return ListenOptions(
+        sample_rate_hz=int(rate),
+        language=language,
+        interim_results=interim,
+        punctuate=flag("punctuate", False),
+        endpointing=endpointing != "false",
+        endpointing_ms=endpointing_ms,
+        utterance_end_ms=utterance_end_ms,
+        vad_events=flag("vad_events", False),
+    )
+
+
+def handshake_problem(request: Request) -> str | None:
+    """Why this upgrade request is refused with HTTP 400, or None."""
+    try:
+        parse_options(request.path)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _language(tag: str) -> str | None:
+    """Deepgram's BCP-47 tag (``en-US``) as a Whisper code; ``multi`` asks to detect."""
+    if tag == "multi":
+        return None
+    code = tag.split("-", 1)[0].lower()
+    if not code.isalpha() or not 2 <= len(code) <= 3:
+        raise ValueError(f"language must be a language tag such as en or en-US; got {tag[:20]!r}")
+    return code
+
+
+@dataclass(frozen=True)
+class _Finalize(AdapterEvent):
+    """The client sent Finalize: the speech so far was closed for it."""
+
+
+@dataclass(frozen=True)
+class _UtteranceEnd(AdapterEvent):
+    """The audio ran ``utterance_end_ms`` past the last final word, which ended at ``end``."""
+
+
+class DeepgramAdapter:
+    """Deepgram live transcription on a ``TurnSession``."""
+
+    def __init__(self) -> None:
+        self._settings: SessionSettings | None = None
+        self._options = ListenOptions(sample_rate_hz=16_000)
+        self._request_id = str(uuid.uuid4())
+        self._created = datetime.datetime.now(datetime.timezone.utc)
+        self._sha256 = hashlib.sha256()
+        self._odd_byte = b""
+        self._held: list[FinalMessage] = []  # finals of closed speech, until it is settled
+        self._closed_by_vad = False  # speech ended since the last Settled
+        self._closed_by_finalize = False  # Finalize since the last Settled
+        self._last_word_end: float | None = None  # of the last final sent
+        self._utterance_end_due: float | None = None  # last_word_end that awaits UtteranceEnd
+
+    # -- opening ---------------------------------------------------------------------------
+    def open_session(self, settings: SessionSettings, request: Request | None) -> Session:
+        """A session in the query's format and language. Raises ProtocolError (1008)."""
+        self._settings = settings
+        try:
+            options = parse_options(request.path if request is not None else "")
+        except ValueError as exc:
+            raise ProtocolError(str(exc), close_code=1008) from exc
+        self._options = options
+        vad = settings.vad
+        if options.endpointing and options.endpointing_ms > vad.speech_end_silence_ms:
+            vad = dataclasses.replace(vad, speech_end_silence_ms=options.endpointing_ms)
+        session = TurnSession(
+            settings.session_id,
+            audio_format=AudioFormat(sample_rate_hz=options.sample_rate_hz),
+            streaming=settings.streaming,
+            vad=vad,
+            multilingual=settings.multilingual,
+        )
+        language = AUTO_LANGUAGE if options.language is None else options.language
+        try:
+            session.receive_text(ConfigMessage(language=language).to_json())
+        except ProtocolError as exc:
+            raise ProtocolError(str(exc), close_code=1008) from exc
+        session.events_to_send()
+        return session
+
+    # -- client messages -------------------------------------------------------------------
+    def receive(self, frame: str | bytes, driver: StreamDriver) -> None:
+        """Audio, or one of KeepAlive, Finalize and CloseStream."""
+        if isinstance(frame, bytes):
+            self._sha256.update(frame)
+            # linear16 is a byte stream: a frame may end inside a sample, the next completes it.
+            data = self._odd_byte + frame
+            whole = len(data) - len(data) % 2
+            self._odd_byte = data[whole:]
+            driver.receive_audio(data[:whole])
+            self._check_utterance_end(driver)
+            return
+        try:
+            message = json.loads(frame)
+        except (json.JSONDecodeError, RecursionError):
+            raise ProtocolError(
+                "text messages must be JSON: KeepAlive, Finalize or CloseStream"
+            ) from None
+        kind = message.get("type") if isinstance(message, dict) else None
+        if kind == "KeepAlive":
+            return  # the frame itself keeps the session from its idle timeout
+        if kind == "Finalize":
+            driver.receive_text(FlushMessage().to_json())
+            driver.send(_Finalize(audio_received_s=driver.session.audio_received_s))
+        elif kind == "CloseStream":
+            driver.receive_text(EndMessage().to_json())
+        else:
+            name = kind[:40] if isinstance(kind, str) else kind
+            raise ProtocolError(
+                f"unsupported message type {name!r}: send KeepAlive, Finalize or CloseStream"
+            )
+
+    def _check_utterance_end(self, driver: StreamDriver) -> None:
+        due = self._utterance_end_due
+        gap_ms = self._options.utterance_end_ms
+        if due is None or gap_ms is None:
+            return
+        if driver.session.audio_received_s >= due + gap_ms / 1000:
+            self._utterance_end_due = None
+            driver.send(_UtteranceEnd(end=due, audio_received_s=driver.session.audio_received_s))
+
+    # -- server messages -------------------------------------------------------------------
+    def render(self, message: ServerMessage) -> list[str]:
+        """Deepgram's messages for one session message."""
+        if isinstance(message, Settled):
+            return self._settle()
+        if isinstance(message, _Finalize):
+            self._closed_by_finalize = True
+            return []
+        if isinstance(message, _UtteranceEnd):
+            if message.end != self._last_word_end:
+                return []  # words came since; the gap is not there
+            return [
+                _dumps({"type": "UtteranceEnd", "channel": CHANNEL, "last_word_end": message.end})
+            ]
+        if isinstance(message, FinalMessage):
+            self._utterance_end_due = None
+            if self._closed_by_vad or self._closed_by_finalize:
+                self._held.append(message)
+                return []
+            return [self._results([message], is_final=True)]
+        if isinstance(message, PartialMessage):
+            if not message.text or not self._options.interim_results:
+                return []
+            self._utterance_end_due = None
+            return [self._interim(message)]
+        if isinstance(message, SpeechStartedMessage):
+            if not self._options.vad_events:
+                return []
+            return [
+                _dumps({"type": "SpeechStarted", "channel": CHANNEL, "timestamp": message.start})
+            ]
+        if isinstance(message, SpeechEndedMessage):
+            self._closed_by_vad = True
+            return []
+        if isinstance(message, ErrorMessage):
+            return [
+                _dumps({"type": "Error", "variant": message.code, "description": message.message})
+            ]
+        if isinstance(message, DoneMessage):
+            return [*self._settle(), *self._final_utterance_end(message), self._metadata(message)]
+        return []  # ready, and v1 messages without a Deepgram counterpart
+
+    def _settle(self) -> list[str]:
+        if not (self._closed_by_vad or self._closed_by_finalize or self._held):
+            return []
+        out = [
+            self._results(
+                self._held,
+                is_final=True,
+                speech_final=self._closed_by_vad and self._options.endpointing,
+                from_finalize=self._closed_by_finalize,
+            )
+        ]
+        if self._held and self._options.utterance_end_ms is not None:
+            self._utterance_end_due = self._last_word_end
+        self._held = []
+        self._closed_by_vad = self._closed_by_finalize = False
+        return out
+
+    def _final_utterance_end(self, done: DoneMessage) -> list[str]:
+        due, gap_ms = self._utterance_end_due, self._options.utterance_end_ms
+        if due is None or gap_ms is None or done.audio_received_s < due + gap_ms / 1000:
+            return []
+        self._utterance_end_due = None
+        return [_dumps({"type": "UtteranceEnd", "channel": CHANNEL, "last_word_end": due})]
+
+    def _results(
+        self,
+        finals: list[FinalMessage],
+        *,
+        is_final: bool,
+        speech_final: bool = False,
+        from_finalize: bool = False,
+    ) -> str:
+        words = [w for f in finals for w in f.words]
+        punctuate = self._options.punctuate
+        transcript = " ".join(
+            f.text if punctuate else " ".join(filter(None, map(_plain, f.text.split())))
+            for f in finals
+        )
+        start = finals[0].start if finals else (self._last_word_end or 0.0)
+        end = finals[-1].end if finals else start
+        if finals:
+            self._last_word_end = end
+        word_objects = [
+            {
+                "word": _plain(w.word) or w.word,
+                "start": w.start,
+                "end": w.end,
+                "confidence": w.probability,
+                **({"punctuated_word": w.word} if punctuate else {}),
+            }
+            for w in words
+        ]
+        confidence = sum(w.probability for w in words) / len(words) if words else 0.0
+        return self._results_json(
+            start, end, transcript, confidence, word_objects, is_final, speech_final, from_finalize
+        )
+
+    def _interim(self, partial: PartialMessage) -> str:
+        text = (
+            partial.text
+            if self._options.punctuate
+            else " ".join(filter(None, map(_plain, partial.text.split())))
+        )
+        return self._results_json(partial.start, partial.end, text, 0.0, [], False, False, False)
+
+    def _results_json(
+        self,
+        start: float,
+        end: float,
+        transcript: str,
+        confidence: float,
+        words: list[dict[str, Any]],
+        is_final: bool,
+        speech_final: bool,
+        from_finalize: bool,
+    ) -> str:
+        return _dumps(
+            {
+                "type": "Results",
+                "channel_index": CHANNEL,
+                "duration": round(max(0.0, end - start), 3),
+                "start": round(start, 3),
+                "is_final": is_final,
+                "speech_final": speech_final,
+                "from_finalize": from_finalize,
+                "channel": {
+                    "alternatives": [
+                        {
+                            "transcript": transcript,
+                            "confidence": round(confidence, 3),
+                            "words": words,
+                        }
+                    ]
+                },
+                "metadata": {
+                    "request_id": self._request_id,
+                    "model_info": self._model_info(),
+                    "model_uuid": self._model_uuid(),
+                },
+            }
+        )
+
+    def _metadata(self, done: DoneMessage) -> str:
+        return _dumps(
+            {
+                "type": "Metadata",
+                "transaction_key": "deprecated",
+                "request_id": self._request_id,
+                "sha256": self._sha256.hexdigest(),
+                "created": self._created.isoformat().replace("+00:00", "Z"),
+                "duration": round(done.audio_received_s, 3),
+                "channels": 1,
+                "models": [self._model_uuid()],
+                "model_info": {self._model_uuid(): self._model_info()},
+            }
+        )
+
+    def _model_info(self) -> dict[str, str]:
+        name = self._settings.model if self._settings is not None else "whisperwire"
+        return {"name": name, "version": "whisperwire", "arch": "whisper"}
+
+    def _model_uuid(self) -> str:
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"whisperwire:{self._model_info()['name']}"))
+
+    # -- errors ----------------------------------------------------------------------------
+    def error_message(
+        self,
+        code: str,
+        message: str,
+        *,
+        fatal: bool,
+        audio_received_s: float,
+        cause: StreamError | None = None,
+    ) -> ErrorMessage:
+        """v1's error; ``render`` gives it Deepgram's shape."""
+        return ErrorMessage(code, message, fatal, audio_received_s)
+
+
+def _plain(word: str) -> str:
+    """A word as Deepgram gives it without punctuation: lower case, no punctuation around it."""
+    start, end = 0, len(word)
+    while start < end and unicodedata.category(word[start]).startswith("P"):
+        start += 1
+    while end > start and unicodedata.category(word[end - 1]).startswith("P"):
+        end -= 1
+    return word[start:end].strip().lower()
+
+
+def _dumps(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)

@@ -1,0 +1,273 @@
+"""Deepgram live on ``/v1/listen``: the ``deepgram-sdk`` package's own client against a real
+server on loopback, and raw WebSocket clients for input no SDK would send.
+
+Recognition uses the real model (the ``server_url`` fixture); the protocol's edges use servers
+of their own with the scripted engine, which hears one word per half second of window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from deepgram import AsyncDeepgramClient
+from deepgram.core.api_error import ApiError
+from deepgram.environment import DeepgramClientEnvironment
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.http11 import Request
+
+from server.adapters import SessionSettings
+from server.app import WhisperwireServer
+from server.config import ServerConfig, StreamingConfig, VadConfig
+from server.deepgram_live import LISTEN_PATH, DeepgramAdapter, handshake_problem, parse_options
+from server.formats import SAMPLE_RATE_HZ
+from tests.helpers import ManifestRow, ScriptedEngine, load_clip, pcm_frames, wer
+
+WAIT_S = 120.0  # a bound for waits on the real model on a busy 2-core machine
+MAX_WER_CLIP = 0.35  # as tests/test_app.py: one short clip, streamed
+CLIP = "ljspeech/LJ001-0004.wav"
+LONG_CLIP = "ljspeech/long/LJ001-0001_to_0032.concat.wav"
+LINEAR16 = "encoding=linear16&sample_rate=16000&channels=1"
+
+
+def environment(ws_base: str) -> DeepgramClientEnvironment:
+    """The SDK's endpoints, all on our server (its default is Deepgram's hosts)."""
+    http = "http" + ws_base.removeprefix("ws")
+    return DeepgramClientEnvironment(base=http, production=ws_base, agent=ws_base, agent_rest=http)
+
+
+def reference(manifest: list[ManifestRow], file: str) -> str:
+    return next(row.transcript for row in manifest if row.file == file)
+
+
+# --------------------------------------------------------------------------- the real SDK
+
+
+@pytest.mark.asyncio(loop_scope="session")  # the server_url fixture's loop
+async def test_the_deepgram_client_streams_speech_and_gets_interim_and_final_results(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    client = AsyncDeepgramClient(api_key="unused", environment=environment(server_url))
+    clip = load_clip(speech_dir / CLIP)
+    silence = np.zeros(int(1.5 * SAMPLE_RATE_HZ), np.float32)  # for UtteranceEnd's gap
+    frames = pcm_frames(np.concatenate([clip, silence]))
+    messages: list[Any] = []
+    async with client.listen.v1.connect(
+        model="nova-3",
+        encoding="linear16",
+        sample_rate="16000",
+        channels="1",
+        language="en-US",
+        interim_results="true",
+        punctuate="true",
+        endpointing="300",
+        utterance_end_ms="1000",
+        vad_events="true",
+    ) as socket:
+
+        async def send() -> None:
+            for frame in frames:
+                await socket.send_media(frame)
+            await socket.send_keep_alive()
+            await socket.send_close_stream()
+
+        sender = asyncio.create_task(send())
+
+        async def receive() -> None:
+            async for message in socket:
+                messages.append(message)
+
+        await asyncio.wait_for(receive(), WAIT_S)
+        await sender
+    kinds = [m.type for m in messages]
+    assert kinds[0] == "SpeechStarted" and kinds[-1] == "Metadata", kinds
+    assert "Error" not in kinds and "UtteranceEnd" in kinds
+    results = [m for m in messages if m.type == "Results"]
+    interim = [r for r in results if not r.is_final]
+    finals = [r for r in results if r.is_final]
+    assert interim and finals and any(r.speech_final for r in finals)
+    assert all(r.channel.alternatives[0].transcript for r in interim)
+    words = [w for r in finals for w in r.channel.alternatives[0].words]
+    assert words and all(w.start <= w.end and 0 < w.confidence <= 1 for w in words)
+    assert all(a.end <= b.start + 1e-3 for a, b in itertools.pairwise(words))
+    utterance_end = messages[kinds.index("UtteranceEnd")]
+    assert utterance_end.last_word_end == pytest.approx(words[-1].end, abs=1e-3)
+    metadata = messages[-1]
+    assert metadata.duration == pytest.approx(len(frames) * 0.1, abs=0.11)
+    assert metadata.sha256 == hashlib.sha256(b"".join(frames)).hexdigest()
+    text = " ".join(r.channel.alternatives[0].transcript for r in finals)
+    assert wer(reference(manifest, CLIP), text) <= MAX_WER_CLIP, text
+    assert socket._websocket.close_code == 1000  # clean close after CloseStream
+
+
+# --------------------------------------------------------------------------- the options
+
+
+def test_options_are_read_from_the_query() -> None:
+    options = parse_options(
+        f"{LISTEN_PATH}?{LINEAR16}&language=en-GB&interim_results=true&utterance_end_ms=1500"
+        "&endpointing=false&vad_events=true&model=nova-3&smart_format=false"
+    )
+    assert (options.sample_rate_hz, options.language) == (16000, "en")
+    assert options.interim_results and options.vad_events and not options.endpointing
+    assert options.utterance_end_ms == 1500
+    assert parse_options(f"{LISTEN_PATH}?{LINEAR16}&language=multi").language is None
+
+
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [
+        ("encoding=opus&sample_rate=16000", "encoding=opus"),
+        ("sample_rate=16000", "encoding="),
+        ("encoding=linear16", "sample_rate"),
+        ("encoding=linear16&sample_rate=96000", "sample_rate"),
+        (f"{LINEAR16.replace('channels=1', 'channels=2')}", "channels=1"),
+        (f"{LINEAR16}&diarize=true", "diarize=true"),
+        (f"{LINEAR16}&keywords=foo", "keywords"),
+        (f"{LINEAR16}&utterance_end_ms=1000", "interim_results"),
+        (f"{LINEAR16}&interim_results=true&utterance_end_ms=500", "at least 1000"),
+        (f"{LINEAR16}&interim_results=yes", "true or false"),
+        (f"{LINEAR16}&endpointing=soon", "endpointing"),
+        (f"{LINEAR16}&language=english!", "language"),
+    ],
+)
+def test_options_we_cannot_honour_are_refused(query: str, says: str) -> None:
+    problem = handshake_problem(Request(f"{LISTEN_PATH}?{query}", Headers()))
+    assert problem is not None and says in problem, problem
+
+
+def test_endpointing_lengthens_the_silence_but_never_shortens_it() -> None:
+    vad = VadConfig()
+    settings = SessionSettings("s", StreamingConfig(), vad, multilingual=False, model="m")
+    silences = []
+    for endpointing in ("10", "2000", "false"):
+        request = Request(f"{LISTEN_PATH}?{LINEAR16}&endpointing={endpointing}", Headers())
+        session = DeepgramAdapter().open_session(settings, request)
+        silences.append(session.vad_config.speech_end_silence_ms)
+    assert silences == [vad.speech_end_silence_ms, 2000, vad.speech_end_silence_ms]
+
+
+# --------------------------------------------------------------------------- protocol edges
+
+
+@contextlib.asynccontextmanager
+async def scripted_server(
+    engine: ScriptedEngine | None = None, **overrides: Any
+) -> AsyncIterator[WhisperwireServer]:
+    config = ServerConfig(host="127.0.0.1", port=0, **overrides)
+    engine = engine or ScriptedEngine()
+    async with WhisperwireServer(lambda: engine, server=config) as server:
+        yield server
+
+
+def listen_url(server: WhisperwireServer, query: str = LINEAR16) -> str:
+    return f"{server.url}{LISTEN_PATH}?{query}"
+
+
+async def read_until_closed(ws: ClientConnection) -> list[dict[str, Any]]:
+    messages = []
+    with contextlib.suppress(ConnectionClosed):
+        async for raw in ws:
+            messages.append(json.loads(raw))
+    return messages
+
+
+async def test_bad_messages_get_deepgram_errors_and_the_stream_goes_on(speech_dir: Path) -> None:
+    frames = pcm_frames(load_clip(speech_dir / LONG_CLIP)[: 4 * SAMPLE_RATE_HZ])
+    audio = b"".join(frames)
+    async with scripted_server() as server, connect(listen_url(server)) as ws:
+        for bad in ("{oops", '{"type": "Configure", "keyterms": ["x"]}', "[1, 2]"):
+            await ws.send(bad)
+            error = json.loads(await ws.recv())
+            assert error["type"] == "Error" and error["variant"] == "protocol_error", error
+            assert error["description"]
+        # Frames split inside a sample lose nothing: the next frame completes it.
+        for piece in (audio[:3201], audio[3201:70001], audio[70001:]):
+            await ws.send(piece)
+        await ws.send('{"type": "KeepAlive"}')
+        await ws.send('{"type": "Finalize"}')
+        await ws.send('{"type": "CloseStream"}')
+        messages = await read_until_closed(ws)
+    assert ws.close_code == 1000
+    assert messages[-1]["type"] == "Metadata"
+    assert messages[-1]["duration"] == pytest.approx(4.0, abs=1e-3)
+    finals = [m for m in messages if m["type"] == "Results" and m["is_final"]]
+    assert [m["from_finalize"] for m in finals][-1:] == [True]
+    text = " ".join(m["channel"]["alternatives"][0]["transcript"] for m in finals)
+    assert text.split()[:2] == ["w0", "w1"]
+
+
+async def test_audio_after_close_stream_closes_1008(speech_dir: Path) -> None:
+    frames = pcm_frames(load_clip(speech_dir / CLIP))[:10]
+    engine = ScriptedEngine()
+    async with scripted_server(engine) as server, connect(listen_url(server)) as ws:
+        engine.release.clear()  # the session cannot finish before the late frame arrives
+        try:
+            for frame in frames:
+                await ws.send(frame)
+            await ws.send('{"type": "CloseStream"}')
+            await ws.send(frames[0])
+            messages = await read_until_closed(ws)
+        finally:
+            engine.release.set()
+    errors = [m for m in messages if m["type"] == "Error"]
+    assert errors and "after end" in errors[0]["description"]
+    assert ws.close_code == 1008
+
+
+async def test_a_language_the_model_lacks_is_an_error_then_1008() -> None:
+    async with scripted_server() as server:  # English-only, like tiny.en
+        async with connect(listen_url(server, LINEAR16 + "&language=de")) as ws:
+            messages = await read_until_closed(ws)
+        assert [m["type"] for m in messages] == ["Error"]
+        assert "English-only" in messages[0]["description"]
+        assert ws.close_code == 1008
+
+
+async def test_keep_alive_holds_off_the_idle_timeout() -> None:
+    async with scripted_server(idle_timeout_s=0.5) as server:
+        async with connect(listen_url(server)) as ws:
+            for _ in range(6):  # 1.2 s, more than twice the idle timeout
+                await ws.send('{"type": "KeepAlive"}')
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(ws.recv(), 0.2)
+            messages = await asyncio.wait_for(read_until_closed(ws), 5)
+        assert [m["type"] for m in messages] == ["Error", "Metadata"]
+        assert messages[0]["variant"] == "idle_timeout"
+        assert ws.close_code == 1000
+
+
+async def test_handshakes_take_a_token_key_and_refuse_bad_options_with_400() -> None:
+    async with scripted_server(api_key="s3cret") as server:
+        for query, headers, status in [
+            (LINEAR16, {}, 401),
+            (LINEAR16, {"Authorization": "Token nope"}, 401),
+            ("encoding=mulaw&sample_rate=8000", {"Authorization": "Token s3cret"}, 400),
+            (LINEAR16, {"Authorization": "Token s3cret", "Origin": "https://x.example"}, 403),
+        ]:
+            with pytest.raises(InvalidStatus) as refused:
+                async with connect(listen_url(server, query), additional_headers=headers):
+                    pass
+            assert refused.value.response.status_code == status, query
+            if status == 400:  # the reason is in the body
+                assert b"encoding=mulaw is not supported" in refused.value.response.body
+        client = AsyncDeepgramClient(api_key="s3cret", environment=environment(server.url))
+        async with client.listen.v1.connect(
+            model="nova-3", encoding="linear16", sample_rate="16000"
+        ) as socket:
+            await socket.send_close_stream()
+            assert [m.type async for m in socket] == ["Metadata"]
+        with pytest.raises(ApiError) as failed:
+            async with client.listen.v1.connect(model="nova-3", encoding="opus"):
+                pass
+        assert failed.value.status_code == 400

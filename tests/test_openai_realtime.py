@@ -1,0 +1,402 @@
+"""OpenAI Realtime transcription on ``/v1/realtime``: the ``openai`` package's own client against
+a real server on loopback, and raw WebSocket clients for input no SDK would send.
+
+Recognition uses the real model (the ``server_url`` fixture); the protocol's edges use servers
+of their own with the scripted engine, which hears one word per half second of window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import soxr
+from openai import AsyncOpenAI
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from server.app import WhisperwireServer
+from server.config import ServerConfig, StreamingConfig
+from server.formats import SAMPLE_RATE_HZ
+from server.openai_realtime import DEFAULT_RATE_HZ, REALTIME_PATH, handshake_problem
+from tests.helpers import ManifestRow, ScriptedEngine, http_get, load_clip, metric_value, wer
+
+WAIT_S = 120.0  # a bound for waits on the real model on a busy 2-core machine
+MAX_WER_CLIP = 0.35  # as tests/test_app.py: one short clip, streamed
+CLIP = "ljspeech/LJ001-0004.wav"
+LONG_CLIP = "ljspeech/long/LJ001-0001_to_0032.concat.wav"
+CHUNK_S = 0.1
+COMPLETED = "conversation.item.input_audio_transcription.completed"
+DELTA = "conversation.item.input_audio_transcription.delta"
+
+
+def http_base(ws_base: str) -> str:
+    return "http" + ws_base.removeprefix("ws")
+
+
+def pcm24(audio_16k: np.ndarray, silence_s: float = 0.0) -> bytes:
+    """16 kHz float audio as OpenAI's PCM16 at 24 kHz, with ``silence_s`` of silence after."""
+    audio = np.asarray(soxr.resample(audio_16k, SAMPLE_RATE_HZ, DEFAULT_RATE_HZ), np.float32)
+    audio = np.concatenate([audio, np.zeros(int(silence_s * DEFAULT_RATE_HZ), np.float32)])
+    return (np.clip(audio, -1.0, 32767 / 32768) * 32768).astype("<i2").tobytes()
+
+
+def chunks(pcm: bytes, chunk_s: float = CHUNK_S) -> list[str]:
+    step = int(chunk_s * DEFAULT_RATE_HZ) * 2
+    return [base64.b64encode(pcm[i : i + step]).decode() for i in range(0, len(pcm), step)]
+
+
+def reference(manifest: list[ManifestRow], file: str) -> str:
+    return next(row.transcript for row in manifest if row.file == file)
+
+
+def check_items(events: list[Any]) -> list[str]:
+    """Each item's deltas add up to its completed transcript, and its events come in order;
+    returns the transcripts."""
+    transcripts = []
+    for done in [e for e in events if e.type == COMPLETED]:
+        deltas = [e for e in events if e.type == DELTA and e.item_id == done.item_id]
+        assert "".join(d.delta for d in deltas) == done.transcript
+        assert events.index(done) > max((events.index(d) for d in deltas), default=-1)
+        committed = [
+            e
+            for e in events
+            if e.type == "input_audio_buffer.committed" and e.item_id == done.item_id
+        ]
+        assert len(committed) == 1 and events.index(committed[0]) < events.index(done)
+        transcripts.append(done.transcript)
+    return transcripts
+
+
+# --------------------------------------------------------------------------- the real SDK
+
+
+@pytest.mark.asyncio(loop_scope="session")  # the server_url fixture's loop
+async def test_the_openai_client_streams_speech_and_gets_deltas_and_transcripts(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    client = AsyncOpenAI(base_url=http_base(server_url) + "/v1", api_key="unused", max_retries=0)
+    audio = chunks(pcm24(load_clip(speech_dir / CLIP), silence_s=1.5))
+    events: list[Any] = []
+    async with client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
+        created = await conn.recv()
+        assert created.type == "session.created" and created.session.type == "transcription"
+        assert created.session.audio.input.format.rate == DEFAULT_RATE_HZ
+        await conn.session.update(
+            session={
+                "type": "transcription",
+                "audio": {
+                    "input": {
+                        "format": {"type": "audio/pcm", "rate": 24000},
+                        "transcription": {"model": "gpt-4o-transcribe", "language": "en"},
+                        "turn_detection": {"type": "server_vad", "silence_duration_ms": 500},
+                    }
+                },
+            }
+        )
+        updated = await conn.recv()
+        assert updated.type == "session.updated", updated
+        assert updated.session.audio.input.transcription.model == "tiny.en"  # what serves it
+
+        async def send() -> None:
+            for chunk in audio:
+                await conn.input_audio_buffer.append(audio=chunk)
+
+        sender = asyncio.create_task(send())
+
+        async def receive() -> None:
+            async for event in conn:
+                events.append(event)
+                kinds = [e.type for e in events]
+                started = kinds.count("input_audio_buffer.speech_started")
+                if sender.done() and started and kinds.count(COMPLETED) == started:
+                    return
+
+        await asyncio.wait_for(receive(), WAIT_S)
+        await sender
+    assert not [e for e in events if e.type == "error"], events
+    transcripts = check_items(events)
+    for started in [e for e in events if e.type == "input_audio_buffer.speech_started"]:
+        stopped = [
+            e
+            for e in events
+            if e.type == "input_audio_buffer.speech_stopped" and e.item_id == started.item_id
+        ]
+        assert len(stopped) == 1 and stopped[0].audio_end_ms > started.audio_start_ms
+    assert [e for e in events if e.type == DELTA]
+    assert wer(reference(manifest, CLIP), " ".join(transcripts)) <= MAX_WER_CLIP, transcripts
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_the_beta_client_commits_by_hand_without_turn_detection(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    # The beta client builds wss:// from base_url; websocket_base_url points it at ws://.
+    client = AsyncOpenAI(
+        base_url=http_base(server_url) + "/v1",
+        websocket_base_url=server_url + "/v1",
+        api_key="unused",
+        max_retries=0,
+    )
+    audio = chunks(pcm24(load_clip(speech_dir / CLIP)))
+    events: list[Any] = []
+    async with client.beta.realtime.connect(
+        model="whisper-1", extra_query={"intent": "transcription"}
+    ) as conn:
+        created = json.loads(await conn.recv_bytes())
+        assert created["type"] == "transcription_session.created", created
+        assert created["session"]["input_audio_format"] == "pcm16"
+        await conn.send(
+            {
+                "type": "transcription_session.update",  # type: ignore[misc,typeddict-item]
+                "session": {
+                    "input_audio_format": "pcm16",
+                    "input_audio_transcription": {"model": "whisper-1", "language": "en"},
+                    "turn_detection": None,
+                },
+            }
+        )
+        updated = await conn.recv()
+        assert updated.type == "transcription_session.updated", updated
+        assert updated.session.turn_detection is None
+        for chunk in audio:
+            await conn.input_audio_buffer.append(audio=chunk)
+        await conn.input_audio_buffer.commit()
+
+        async def receive() -> None:
+            async for event in conn:
+                events.append(event)
+                if event.type == COMPLETED:
+                    return
+
+        await asyncio.wait_for(receive(), WAIT_S)
+    kinds = [e.type for e in events]
+    assert "input_audio_buffer.speech_started" not in kinds  # turns are the client's commits
+    [transcript] = check_items(events)
+    assert wer(reference(manifest, CLIP), transcript) <= MAX_WER_CLIP, transcript
+
+
+# --------------------------------------------------------------------------- protocol edges
+
+
+@contextlib.asynccontextmanager
+async def scripted_server(**overrides: Any) -> AsyncIterator[WhisperwireServer]:
+    streaming = overrides.pop("streaming", None)
+    config = ServerConfig(host="127.0.0.1", port=0, **overrides)
+    engine = ScriptedEngine()
+    async with WhisperwireServer(lambda: engine, server=config, streaming=streaming) as server:
+        yield server
+
+
+def realtime_url(server: WhisperwireServer, query: str = "intent=transcription") -> str:
+    return f"{server.url}{REALTIME_PATH}?{query}"
+
+
+async def next_event(ws: ClientConnection, kind: str | None = None) -> dict[str, Any]:
+    """The next server event (of ``kind``, skipping others)."""
+    while True:
+        event: dict[str, Any] = json.loads(await asyncio.wait_for(ws.recv(), 30))
+        if kind is None or event["type"] == kind:
+            return event
+
+
+async def send(ws: ClientConnection, **event: Any) -> None:
+    await ws.send(json.dumps(event))
+
+
+MANUAL = {"type": "transcription", "audio": {"input": {"turn_detection": None}}}
+
+
+async def test_refused_events_get_openai_errors_and_the_session_goes_on(speech_dir: Path) -> None:
+    pcm = pcm24(load_clip(speech_dir / CLIP)[: 2 * SAMPLE_RATE_HZ])
+    async with scripted_server() as server, connect(realtime_url(server)) as ws:
+        assert (await next_event(ws))["type"] == "session.created"
+        refused: list[tuple[str | bytes, str, str | None]] = [
+            ("{not json", "invalid_json", None),
+            ('{"type": "input_audio_buffer.append", "audio": "%%%"}', "invalid_value", "audio"),
+            (
+                json.dumps(
+                    {
+                        "type": "session.update",
+                        "session": {
+                            "type": "transcription",
+                            "audio": {"input": {"format": {"type": "audio/pcmu"}}},
+                        },
+                    }
+                ),
+                "unsupported_value",
+                "session.audio.input.format.type",
+            ),
+            (
+                json.dumps({"type": "session.update", "session": {"type": "realtime"}}),
+                "unsupported_value",
+                "session.type",
+            ),
+            (
+                json.dumps(
+                    {"type": "session.update", "session": {"type": "transcription", "x": 1}}
+                ),
+                "unknown_parameter",
+                "session.x",
+            ),
+            (
+                json.dumps(
+                    {
+                        "type": "session.update",
+                        "session": {
+                            "type": "transcription",
+                            "audio": {"input": {"transcription": {"language": "de"}}},
+                        },
+                    }
+                ),
+                "invalid_value",  # the scripted model, like tiny.en, is English-only
+                "session.audio.input.transcription.language",
+            ),
+            ('{"type": "response.create", "event_id": "evt_1"}', "unsupported_event", "type"),
+            ('{"type": "input_audio_buffer.commit"}', "input_audio_buffer_commit_empty", None),
+            ('{"type": "no.such.event"}', "invalid_value", "type"),
+            (b"\x00\x01", "invalid_request", None),
+        ]
+        for frame, code, param in refused:
+            await ws.send(frame)
+            error = await next_event(ws)
+            assert error["type"] == "error", (frame, error)
+            assert (error["error"]["code"], error["error"]["param"]) == (code, param), error
+            assert error["error"]["type"] == "invalid_request_error"
+        assert error["error"]["event_id"] is None
+        await send(ws, type="response.create", event_id="evt_2")
+        assert (await next_event(ws, "error"))["error"]["event_id"] == "evt_2"
+        await send(ws, type="session.update", session=MANUAL)
+        assert (await next_event(ws))["session"]["audio"]["input"]["turn_detection"] is None
+        # Appends split inside a sample lose nothing: the next append completes it.
+        pieces = [pcm[:4801], pcm[4801:9999], pcm[9999:]]
+        for piece in pieces:
+            await send(ws, type="input_audio_buffer.append", audio=base64.b64encode(piece).decode())
+        await send(ws, type="input_audio_buffer.commit")
+        committed = await next_event(ws)
+        assert committed["type"] == "input_audio_buffer.committed", committed
+        completed = await next_event(ws, COMPLETED)
+        assert completed["item_id"] == committed["item_id"]
+        assert completed["transcript"].split()[:2] == ["w0", "w1"]
+        _, _, body = await http_get(server.http_url + "/metrics")
+        received = metric_value(body.decode(), "whisperwire_audio_received_seconds_total")
+        assert received == pytest.approx(len(pcm) / 2 / DEFAULT_RATE_HZ, abs=1e-3)
+
+
+async def test_the_format_cannot_change_after_audio(speech_dir: Path) -> None:
+    pcm = pcm24(load_clip(speech_dir / CLIP)[:SAMPLE_RATE_HZ])
+    rate = {
+        "type": "transcription",
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}},
+    }
+    async with scripted_server() as server, connect(realtime_url(server)) as ws:
+        await next_event(ws)
+        await send(ws, type="input_audio_buffer.append", audio=base64.b64encode(pcm).decode())
+        await send(ws, type="session.update", session=rate)
+        error = await next_event(ws, "error")
+        assert error["error"]["param"] == "session.audio.input", error
+        # The same settings again are not a change.
+        await send(ws, type="session.update", session={"type": "transcription", **MANUAL})
+        updated = await next_event(ws)
+        assert updated["type"] == "session.updated", updated
+        assert updated["session"]["audio"]["input"]["format"]["rate"] == DEFAULT_RATE_HZ
+
+
+async def test_a_cleared_item_is_dropped_and_the_next_one_completes(speech_dir: Path) -> None:
+    first, second = (
+        pcm24(load_clip(speech_dir / CLIP)[i * SAMPLE_RATE_HZ : (i + 2) * SAMPLE_RATE_HZ])
+        for i in (0, 2)
+    )
+    async with scripted_server() as server, connect(realtime_url(server)) as ws:
+        await next_event(ws)
+        await send(ws, type="session.update", session=MANUAL)
+        await next_event(ws, "session.updated")
+        await send(ws, type="input_audio_buffer.append", audio=base64.b64encode(first).decode())
+        await send(ws, type="input_audio_buffer.clear")
+        await send(ws, type="input_audio_buffer.append", audio=base64.b64encode(second).decode())
+        await send(ws, type="input_audio_buffer.commit")
+        events = []
+        while not events or events[-1]["type"] != COMPLETED:
+            events.append(await next_event(ws))
+    kinds = [e["type"] for e in events]
+    assert kinds.count("input_audio_buffer.cleared") == 1
+    [committed] = [e for e in events if e["type"] == "input_audio_buffer.committed"]
+    deltas = [e for e in events if e["type"] == DELTA]
+    assert deltas and all(d["item_id"] == committed["item_id"] for d in deltas)
+    assert events[-1]["item_id"] == committed["item_id"] and events[-1]["transcript"]
+
+
+async def test_shutdown_completes_the_open_item_then_closes_1001(speech_dir: Path) -> None:
+    pcm = pcm24(load_clip(speech_dir / LONG_CLIP)[: 8 * SAMPLE_RATE_HZ])  # no pause in it
+    async with scripted_server() as server:
+        async with connect(realtime_url(server)) as ws:
+            await next_event(ws)
+            for chunk in chunks(pcm):
+                await send(ws, type="input_audio_buffer.append", audio=chunk)
+            started = await next_event(ws, "input_audio_buffer.speech_started")
+            shutdown = asyncio.create_task(server.shutdown())
+            events = []
+            with contextlib.suppress(ConnectionClosed):
+                async for raw in ws:
+                    events.append(json.loads(raw))
+            await shutdown
+        # Ending the stream ends its speech: the item is committed, then its text completes.
+        kinds = [e["type"] for e in events]
+        assert kinds[-1] == COMPLETED and "input_audio_buffer.committed" in kinds
+        completed = events[-1]
+        assert completed["item_id"] == started["item_id"] and completed["transcript"]
+        deltas = [e["delta"] for e in events if e["type"] == DELTA]
+        assert "".join(deltas) == completed["transcript"]
+        assert ws.close_code == 1001
+
+
+async def test_too_large_an_append_closes_1009() -> None:
+    streaming = StreamingConfig(max_frame_bytes=32 * 1024)
+    async with scripted_server(streaming=streaming) as server:
+        async with connect(realtime_url(server)) as ws:
+            await next_event(ws)
+            audio = base64.b64encode(bytes(40 * 1024)).decode()
+            await send(ws, type="input_audio_buffer.append", audio=audio)
+            error = await next_event(ws, "error")
+            with contextlib.suppress(ConnectionClosed):
+                await ws.recv()
+        assert error["error"]["code"] == "frame_too_large"
+        assert ws.close_code == 1009
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["", "intent=conversation", "intent=transcription&voice=alloy"],
+)
+def test_the_handshake_needs_the_transcription_intent(query: str) -> None:
+    from websockets.datastructures import Headers
+    from websockets.http11 import Request
+
+    assert handshake_problem(Request(f"{REALTIME_PATH}?{query}", Headers())) is not None
+
+
+async def test_handshakes_are_checked_like_v1_and_for_the_intent() -> None:
+    async with scripted_server(api_key="s3cret") as server:
+        for query, headers, status in [
+            ("intent=transcription", {}, 401),
+            ("intent=conversation", {"Authorization": "Bearer s3cret"}, 400),
+            (
+                "intent=transcription",
+                {"Authorization": "Bearer s3cret", "Origin": "https://x.example"},
+                403,
+            ),
+        ]:
+            with pytest.raises(InvalidStatus) as refused:
+                async with connect(realtime_url(server, query), additional_headers=headers):
+                    pass
+            assert refused.value.response.status_code == status
+        client = AsyncOpenAI(base_url=server.http_url + "/v1", api_key="s3cret", max_retries=0)
+        async with client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            assert (await conn.recv()).type == "session.created"
