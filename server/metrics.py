@@ -182,7 +182,8 @@ class Metrics:
             "whisperwire_sessions_refused_total",
             "Connections refused, by reason (server_full: at max_sessions; capacity: at the "
             "capacity estimate; draining: shutting down; unauthorized, forbidden_origin, "
-            "not_ready: loading the model or shutting down)",
+            "not_ready: loading the model or shutting down; bad_request: an OpenAI or "
+            "Deepgram option refused at the handshake)",
             ("reason",),
         )
         self.audio_received_s = Counter(
