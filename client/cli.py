@@ -8,6 +8,12 @@ a file in-process.
     whisperwire listen [--url URL] [--format ...] [--token KEY] [--language ...] [--stats]
                        [--retries 5]
     whisperwire transcribe FILE [--model tiny.en] [--language en] [--task transcribe]
+                                [--format text|srt|vtt]
+
+On a terminal, ``live`` captions flow: finals fill the line at the terminal's width, the
+partial is redrawn after them, and a line ends with its utterance (``client.render``).
+``srt`` and ``vtt`` are subtitles made from word times under broadcast rules
+(``client.subtitles``); ``jsonl`` is every server message as it came.
 
 A server that shuts down, is full or drops the connection mid-stream is connected to again
 with backoff (behind a load balancer: another instance), and the audio goes on from where
@@ -22,13 +28,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import logging
 import os
 import signal
 import sys
 
 from client.reconnect import RetryPolicy, stream_with_reconnect
-from client.render import FORMATS, Renderer, format_stats, make_renderer
+from client.render import FORMATS, Renderer, TerminalRenderer, format_stats, make_renderer
 from client.sources import (
     DEFAULT_CHUNK_MS,
     AudioSource,
@@ -38,6 +45,7 @@ from client.sources import (
     StdinSource,
 )
 from client.stream import DEFAULT_URL, ClientError, StreamResult
+from client.subtitles import build_cues, srt_document, vtt_document, words_from_pieces
 from server.errors import ModelError, WhisperwireError
 from server.formats import ENCODINGS, SAMPLE_RATE_HZ, TASKS
 
@@ -47,6 +55,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # no connection, or the stream or engine failed
 EXIT_USAGE = 2  # bad arguments, unreadable audio, no microphone (argparse uses 2 as well)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+TRANSCRIBE_FORMATS = ("text", "srt", "vtt")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument(
         "--format",
         choices=FORMATS,
-        help="output: live captions (default on a terminal), text (default otherwise), "
-        "jsonl (every server message), srt or vtt (subtitles from the finals)",
+        help="output: live captions (default on a terminal), text: one line per utterance "
+        "(default otherwise), jsonl (every server message), srt or vtt (subtitles from the "
+        "finals' word times)",
     )
     net.add_argument(
         "--stats",
@@ -168,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--language", default="en", help="language code, or 'auto' to detect (default: en)"
     )
     transcribe.add_argument("--task", choices=TASKS, default="transcribe")
+    transcribe.add_argument(
+        "--format",
+        choices=TRANSCRIBE_FORMATS,
+        default="text",
+        help="the transcript as one line, or srt or vtt subtitles (default: %(default)s)",
+    )
     transcribe.set_defaults(run=_run_transcribe_command)
     return parser
 
@@ -199,6 +215,18 @@ def _non_negative_float(text: str) -> float:
 def _fail(message: str) -> None:
     sys.stderr.write(f"whisperwire: {message}\n")
     sys.stderr.flush()
+
+
+def _prepare_stdout(fmt: str | None) -> None:
+    """Subtitles and JSON are written as UTF-8 (WebVTT allows nothing else); captions and
+    text in the terminal's encoding, with what it cannot show replaced instead of failing
+    (a Latin-1 or ASCII locale)."""
+    if not isinstance(sys.stdout, io.TextIOWrapper):
+        return
+    if fmt in ("srt", "vtt", "jsonl"):
+        sys.stdout.reconfigure(encoding="utf-8")
+    else:
+        sys.stdout.reconfigure(errors="replace")
 
 
 # --------------------------------------------------------------------------- stream / listen
@@ -238,6 +266,7 @@ def _run_listen_command(args: argparse.Namespace) -> int:
 
 
 def _stream(args: argparse.Namespace, source: AudioSource, *, pace: float) -> int:
+    _prepare_stdout(args.format)
     renderer = make_renderer(args.format, sys.stdout)
     try:
         try:
@@ -276,6 +305,8 @@ async def _stream_async(
 
     try:
         loop.add_signal_handler(signal.SIGINT, stop_audio)
+        if isinstance(renderer, TerminalRenderer) and hasattr(signal, "SIGWINCH"):
+            loop.add_signal_handler(signal.SIGWINCH, renderer.resized)
     except (NotImplementedError, RuntimeError):  # Windows event loops, or not the main thread
         logger.debug("no SIGINT handler: Ctrl-C aborts at once")
     try:
@@ -292,6 +323,8 @@ async def _stream_async(
         return resumed.result
     finally:
         loop.remove_signal_handler(signal.SIGINT)
+        if hasattr(signal, "SIGWINCH"):
+            loop.remove_signal_handler(signal.SIGWINCH)
 
 
 # --------------------------------------------------------------------------- transcribe
@@ -305,15 +338,28 @@ def _run_transcribe_command(args: argparse.Namespace) -> int:
         _fail(f"error: the in-process engine is not available: {exc}")
         return EXIT_FAILED
     language = None if args.language == "auto" else args.language
+    subtitles = args.format != "text"
     try:
-        text = transcribe_file(args.file, model=args.model, language=language, task=args.task)
+        transcript = transcribe_file(
+            args.file,
+            model=args.model,
+            language=language,
+            task=args.task,
+            word_timestamps=subtitles,
+        )
     except (FileNotFoundError, ValueError, ModelError) as exc:
         _fail(f"error: {exc}")
         return EXIT_USAGE
     except (OSError, WhisperwireError) as exc:
         _fail(f"error: {exc}")
         return EXIT_FAILED
-    sys.stdout.write(text.strip() + "\n")
+    _prepare_stdout(args.format)
+    if subtitles:
+        words = words_from_pieces((w.word, w.start_s, w.end_s) for w in transcript.words)
+        cues = build_cues(words)
+        sys.stdout.write(srt_document(cues) if args.format == "srt" else vtt_document(cues))
+    else:
+        sys.stdout.write(transcript.text.strip() + "\n")
     sys.stdout.flush()
     return EXIT_OK
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from ..engine_api import DecodeOptions, DecodeRequest, Segment, Window
+from ..engine_api import DecodeOptions, DecodeRequest, Segment, Window, WordTiming
 from ..features import N_FRAMES, N_SAMPLES
 from ..formats import SAMPLE_RATE_HZ
 from .engine import Engine, EngineConfig
@@ -29,6 +29,7 @@ class Transcript:
     text: str
     segments: tuple[Segment, ...]  # times in seconds from the start of the audio
     language: str | None
+    words: tuple[WordTiming, ...] = ()  # likewise; empty unless word_timestamps was asked for
 
 
 def transcribe_audio(
@@ -38,6 +39,7 @@ def transcribe_audio(
     options = options or DecodeOptions(word_timestamps=False)
     seek = 0
     segments: list[Segment] = []
+    words: list[WordTiming] = []
     context: list[int] = []
     language = options.language
     hop = N_SAMPLES // N_FRAMES
@@ -67,9 +69,19 @@ def transcribe_audio(
                 end = s.end_s if s.end_s >= 0 else chunk.shape[0] / SAMPLE_RATE_HZ
                 segments.append(Segment(offset_s + s.start_s, offset_s + end, s.text, s.tokens))
                 context.extend(s.tokens)
+            limit_s = advance / SAMPLE_RATE_HZ
+            for w in result.words:
+                # The unfinished last segment's words come again from the next window.
+                if advance < chunk.shape[0] and w.start_s >= limit_s - 0.01:
+                    continue
+                words.append(
+                    WordTiming(
+                        w.word, w.tokens, offset_s + w.start_s, offset_s + w.end_s, w.probability
+                    )
+                )
         seek += max(advance, hop)
     text = "".join(s.text for s in segments).strip()
-    return Transcript(text, tuple(segments), language)
+    return Transcript(text, tuple(segments), language, tuple(words))
 
 
 def transcribe_file(
@@ -78,13 +90,15 @@ def transcribe_file(
     model: str = "tiny.en",
     language: str | None = "en",
     task: str = "transcribe",
-) -> str:
-    """Load the model, read the file (wav/flac/mp3/ogg) and return its transcript."""
+    word_timestamps: bool = False,
+) -> Transcript:
+    """Load the model, read the file (wav/flac/mp3/ogg) and transcribe it; with
+    ``word_timestamps``, the transcript's words carry times (for subtitles)."""
     from ..audio import read_audio_file
 
     engine = Engine.load(EngineConfig(model=model))
     if not engine.dims.is_multilingual:
         language = "en"
     audio = read_audio_file(path)
-    options = DecodeOptions(language=language, task=task, word_timestamps=False)
-    return transcribe_audio(engine, audio, options).text
+    options = DecodeOptions(language=language, task=task, word_timestamps=word_timestamps)
+    return transcribe_audio(engine, audio, options)

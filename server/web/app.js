@@ -1,8 +1,10 @@
 // Whisperwire browser client: microphone -> AudioWorklet (16 kHz s16le) -> WebSocket,
 // live captions back. Plain JavaScript, no build step. Protocol: docs/protocol.md.
 //
-// Stable hooks for tests and embedding: #start, #status, #transcript, #ttft, #latency,
-// body[data-state] (idle | starting | running | stopping) and window.whisperwire (counters).
+// Stable hooks for tests and embedding: #start, #status, #transcript (a <p> per utterance,
+// .final spans and one .partial), #ttft, #latency, #chart, #level, #model, #language,
+// #connection, #download-txt, #download-srt, #download-vtt, #copy, body[data-state]
+// (idle | starting | running | stopping) and window.whisperwire (counters and data).
 "use strict";
 
 (() => {
@@ -15,13 +17,25 @@
   // Close codes that retrying cannot fix: bad audio, policy (auth, Origin), frame too large.
   const NO_RETRY_CODES = new Set([1003, 1008, 1009]);
   const TIME_EPSILON_S = 1e-6;
+  const LEVEL_FLOOR_DB = -60; // the meter's empty end; 0 dBFS is full
+  const SCROLL_SLACK_PX = 8; // this close to the bottom counts as reading the newest text
 
+  const Subtitles = window.WhisperwireSubtitles;
+  const Chart = window.WhisperwireChart;
   const ui = {
     start: document.getElementById("start"),
     status: document.getElementById("status"),
     transcript: document.getElementById("transcript"),
     ttft: document.getElementById("ttft"),
     latency: document.getElementById("latency"),
+    chart: document.getElementById("chart"),
+    level: document.getElementById("level"),
+    model: document.getElementById("model"),
+    language: document.getElementById("language"),
+    connection: document.getElementById("connection"),
+    copied: document.getElementById("copied"),
+    downloads: [...document.querySelectorAll("[data-download]")],
+    copy: document.getElementById("copy"),
   };
 
   // Everything about the current capture; `session` is per WebSocket connection.
@@ -32,10 +46,16 @@
     node: null,
     ws: null,
     session: null,
+    sessions: 0,
     backlog: [],
     retries: 0,
     reconnectTimer: null,
+    capturedSamples: 0, // the page's timeline: audio captured since the first Start
+    paragraphs: [], // {el, text}: one per utterance
+    breakPending: false, // the current utterance is over: the next text opens a paragraph
     partialEl: null,
+    words: [], // subtitle words on the page's timeline, for the SRT and VTT downloads
+    chart: { latency: [], ttft: [] },
   };
 
   // Read-only view for tests and curious users (the page never reads it).
@@ -44,14 +64,24 @@
     chunksCaptured: 0,
     lastRms: 0,
     maxRms: 0,
+    level: 0,
     sessionId: null,
     finals: [],
+    finalLog: [], // {message, offsetS}: every final as it came, and its session's offset
     ttftS: null,
+    ttftsS: [],
     latenciesS: [],
     reconnects: 0,
     lastClose: null,
+    language: null,
   };
   Object.defineProperty(exposed, "phase", { get: () => state.phase, enumerable: true });
+  Object.defineProperty(exposed, "words", { get: () => state.words, enumerable: true });
+  Object.defineProperty(exposed, "chart", { get: () => state.chart, enumerable: true });
+  Object.defineProperty(exposed, "paragraphs", {
+    get: () => state.paragraphs.map((p) => p.text),
+    enumerable: true,
+  });
   window.whisperwire = exposed;
 
   function setPhase(phase) {
@@ -66,6 +96,19 @@
   function setStatus(text, isError = false) {
     ui.status.textContent = text;
     ui.status.classList.toggle("error", isError);
+  }
+
+  function setConnection(text) {
+    ui.connection.textContent = text;
+    ui.connection.dataset.state = text;
+  }
+
+  function showLanguage(language, probability, provisional) {
+    exposed.language = language;
+    let text = language || "auto";
+    if (language && typeof probability === "number") text += ` (${Math.round(probability * 100)}%)`;
+    if (provisional) text += "?";
+    ui.language.textContent = text;
   }
 
   function streamUrl() {
@@ -140,6 +183,7 @@
     }
     state.retries = 0;
     state.backlog = [];
+    state.breakPending = true; // a new recording starts a new paragraph
     setPhase("running");
     connect();
   }
@@ -150,6 +194,15 @@
     state.media = null;
     state.ctx = null;
     state.node = null;
+    showLevel(0);
+  }
+
+  function showLevel(rms) {
+    // dBFS on a 60 dB scale: speech sits around -30 to -10, silence near the floor.
+    const db = 20 * Math.log10(Math.max(rms, 1e-9));
+    const level = Math.min(1, Math.max(0, (db - LEVEL_FLOOR_DB) / -LEVEL_FLOOR_DB));
+    exposed.level = level;
+    ui.level.value = level;
   }
 
   function onWorkletMessage(data) {
@@ -160,19 +213,25 @@
     exposed.chunksCaptured += 1;
     exposed.lastRms = data.rms;
     exposed.maxRms = Math.max(exposed.maxRms, data.rms);
+    showLevel(data.rms);
+    const chunk = { pcm: data.pcm, samples: data.samples, startS: state.capturedSamples / TARGET_RATE };
+    state.capturedSamples += data.samples;
     const s = state.session;
     if (s && s.ready && state.ws.readyState === WebSocket.OPEN) {
-      sendChunk(data.pcm, data.samples);
+      sendChunk(chunk);
     } else {
-      state.backlog.push(data);
+      state.backlog.push(chunk);
       if (state.backlog.length > BACKLOG_MAX_CHUNKS) state.backlog.shift();
     }
   }
 
-  function sendChunk(pcm, samples) {
+  function sendChunk(chunk) {
     const s = state.session;
-    state.ws.send(pcm);
-    s.samplesSent += samples;
+    // A session's stream time starts at its first chunk: where that lies on the page's
+    // timeline (audio dropped from a full backlog included).
+    if (s.offsetS === null) s.offsetS = chunk.startS;
+    state.ws.send(chunk.pcm);
+    s.samplesSent += chunk.samples;
     s.sentEndsS.push(s.samplesSent / TARGET_RATE);
     s.sentWallMs.push(performance.now());
     exposed.chunksSent += 1;
@@ -186,11 +245,13 @@
       done: false,
       endSent: false,
       doneTimedOut: false, // the page closed after waiting DONE_TIMEOUT_MS for "done"
+      offsetS: null,
       samplesSent: 0,
       sentEndsS: [], // stream time at the end of each chunk sent
       sentWallMs: [], // performance.now() when each chunk was sent
-      speechStartS: null,
-      firstWordMs: null,
+      utterances: [], // [start, end|null] not known to be over (see utteranceOver)
+      ttftWaiting: [], // starts of utterances that have shown no text yet
+      anyText: false,
       latenciesS: [],
     };
   }
@@ -201,6 +262,7 @@
     ws.binaryType = "arraybuffer";
     state.ws = ws;
     state.session = newSession();
+    setConnection(state.retries === 0 ? "connecting" : "reconnecting");
     if (state.retries === 0) setStatus("Connecting…");
     ws.onmessage = (event) => {
       if (ws !== state.ws || typeof event.data !== "string") return;
@@ -230,6 +292,7 @@
       scheduleReconnect(event);
       return;
     }
+    setConnection("closed");
     if (state.phase === "stopping" || (s && s.done)) {
       let text = "Stopped (the server closed before its summary).";
       if (s && s.done) text = "Stopped.";
@@ -250,6 +313,7 @@
   function scheduleReconnect(event) {
     state.retries += 1;
     exposed.reconnects += 1;
+    setConnection("reconnecting");
     const base = Math.min(BACKOFF_MAX_MS, BACKOFF_FIRST_MS * 2 ** (state.retries - 1));
     const delay = base * (0.8 + 0.4 * Math.random()); // jitter: clients do not return in step
     const why =
@@ -260,7 +324,7 @@
     state.reconnectTimer = setTimeout(connect, delay);
   }
 
-  // ------------------------------------------------------------------ server messages
+  // ------------------------------------------------------------------ transcript
 
   function sentAtMs(streamS) {
     // Wall time the chunk holding stream time `streamS` was sent (lower bound search).
@@ -277,21 +341,37 @@
     return s.sentWallMs[Math.min(lo, ends.length - 1)];
   }
 
-  function noteFirstWord(msg) {
-    const s = state.session;
-    if (s.firstWordMs !== null || !msg.text || !msg.text.trim()) return;
-    s.firstWordMs = performance.now();
-    const speechS = s.speechStartS !== null ? s.speechStartS : msg.start;
-    const sent = sentAtMs(speechS);
-    if (sent !== null) {
-      exposed.ttftS = (s.firstWordMs - sent) / 1000;
-      ui.ttft.textContent = `${exposed.ttftS.toFixed(2)} s`;
+  // speech_ended usually comes before its utterance's last finals (they are decoded after
+  // it). Utterances are decoded in order, each starting where the last ended, so the first
+  // text that starts at or after an utterance's end shows that utterance is over (as
+  // UtteranceTracker in client/render.py).
+  function utteranceOver(s, startS) {
+    let over = false;
+    while (s.utterances.length) {
+      const end = s.utterances[0][1];
+      if (end === null || startS < end) break;
+      s.utterances.shift();
+      over = true;
     }
+    return over;
   }
 
-  function median(values) {
-    const v = [...values].sort((a, b) => a - b);
-    return v[Math.floor((v.length - 1) / 2)];
+  function endParagraph() {
+    const last = state.paragraphs[state.paragraphs.length - 1];
+    if (last && last.text) state.breakPending = true;
+  }
+
+  function currentParagraph() {
+    let last = state.paragraphs[state.paragraphs.length - 1];
+    if (!last || state.breakPending) {
+      const el = document.createElement("p");
+      el.className = "utterance";
+      ui.transcript.appendChild(el);
+      last = { el, text: "" };
+      state.paragraphs.push(last);
+      state.breakPending = false;
+    }
+    return last;
   }
 
   function removePartial() {
@@ -299,48 +379,146 @@
     state.partialEl = null;
   }
 
+  // Updates the transcript, following the newest text unless the reader scrolled up.
+  function updateTranscript(change) {
+    const el = ui.transcript;
+    const following = el.scrollHeight - el.scrollTop - el.clientHeight <= SCROLL_SLACK_PX;
+    change();
+    if (following) el.scrollTop = el.scrollHeight;
+  }
+
+  function showPartial(text) {
+    updateTranscript(() => {
+      const paragraph = currentParagraph();
+      if (!text) {
+        removePartial();
+        return;
+      }
+      if (!state.partialEl || state.partialEl.parentNode !== paragraph.el) {
+        removePartial();
+        state.partialEl = document.createElement("span");
+        state.partialEl.className = "partial";
+        paragraph.el.appendChild(state.partialEl);
+      }
+      state.partialEl.textContent = Subtitles.joinText(paragraph.text, text).slice(paragraph.text.length);
+    });
+  }
+
+  function showFinal(text) {
+    updateTranscript(() => {
+      removePartial();
+      const paragraph = currentParagraph();
+      const joined = Subtitles.joinText(paragraph.text, text);
+      const span = document.createElement("span");
+      span.className = "final";
+      span.textContent = joined.slice(paragraph.text.length);
+      paragraph.el.appendChild(span);
+      paragraph.text = joined;
+    });
+  }
+
+  // ------------------------------------------------------------------ latency
+
+  function noteFirstText(msg) {
+    // Time to first token per utterance: from the speech start's audio leaving the page to
+    // the first text of that utterance. Old text of the utterance before starts earlier.
+    const s = state.session;
+    let speechS = null;
+    while (s.ttftWaiting.length && s.ttftWaiting[0] <= msg.start + TIME_EPSILON_S) {
+      speechS = s.ttftWaiting.shift();
+    }
+    if (speechS === null && !s.anyText) speechS = msg.start; // a server without speech_started
+    s.anyText = true;
+    if (speechS === null) return;
+    const sent = sentAtMs(speechS);
+    if (sent === null) return;
+    const ttft = (performance.now() - sent) / 1000;
+    exposed.ttftS = ttft;
+    exposed.ttftsS.push(ttft);
+    ui.ttft.textContent = `${ttft.toFixed(2)} s`;
+    addPoint(state.chart.ttft, speechS + s.offsetS, ttft);
+  }
+
+  function median(values) {
+    const v = [...values].sort((a, b) => a - b);
+    return v[Math.floor((v.length - 1) / 2)];
+  }
+
+  function noteFinalLatency(msg) {
+    const s = state.session;
+    const sent = sentAtMs(msg.end);
+    if (sent === null) return;
+    const latency = (performance.now() - sent) / 1000;
+    s.latenciesS.push(latency);
+    exposed.latenciesS.push(latency);
+    ui.latency.textContent = `${latency.toFixed(2)} s (median ${median(s.latenciesS).toFixed(2)} s, n=${s.latenciesS.length})`;
+    addPoint(state.chart.latency, msg.end + s.offsetS, latency);
+  }
+
+  function addPoint(series, x, y) {
+    series.push({ x, y });
+    Chart.draw(ui.chart, state.chart);
+  }
+
+  // ------------------------------------------------------------------ server messages
+
   function onServerMessage(msg) {
     const s = state.session;
+    const hasText = typeof msg.text === "string" && msg.text.trim() !== "";
+    if ((msg.type === "partial" || msg.type === "final") && utteranceOver(s, msg.start)) endParagraph();
     switch (msg.type) {
       case "ready":
         s.ready = true;
+        state.sessions += 1;
+        if (state.sessions > 1) endParagraph(); // a resumed recording: its words start anew
         exposed.sessionId = msg.session_id;
         state.retries = 0;
+        setConnection("connected");
+        ui.model.textContent = msg.model;
+        showLanguage(msg.language, null, false);
         setStatus(`Listening (model ${msg.model}).`);
-        for (const chunk of state.backlog.splice(0)) sendChunk(chunk.pcm, chunk.samples);
+        for (const chunk of state.backlog.splice(0)) sendChunk(chunk);
         if (state.phase === "stopping") sendEnd();
         break;
-      case "speech_started":
-        if (s.speechStartS === null) s.speechStartS = msg.start;
+      case "speech_started": {
+        const last = s.utterances[s.utterances.length - 1];
+        if (last && last[1] === null) last[1] = msg.start;
+        s.utterances.push([msg.start, null]);
+        s.ttftWaiting.push(msg.start);
+        break;
+      }
+      case "speech_ended": {
+        const last = s.utterances[s.utterances.length - 1];
+        if (last && last[1] === null) last[1] = msg.end;
+        else s.utterances.push([msg.end, msg.end]);
+        break;
+      }
+      case "language":
+        showLanguage(msg.language, msg.probability, false);
         break;
       case "partial":
-        noteFirstWord(msg);
-        if (!state.partialEl) {
-          state.partialEl = document.createElement("span");
-          state.partialEl.className = "partial";
-          ui.transcript.appendChild(state.partialEl);
-        }
-        state.partialEl.textContent = msg.text.trim();
+        if (msg.language) showLanguage(msg.language, msg.language_probability, msg.language_provisional);
+        if (hasText) noteFirstText(msg);
+        showPartial(msg.text.split(/\s+/).filter(Boolean).join(" "));
         break;
       case "final": {
-        noteFirstWord(msg);
-        removePartial();
-        const text = msg.text.trim();
-        if (!text) break;
-        const span = document.createElement("span");
-        span.className = "final";
-        span.dataset.segmentId = String(msg.segment_id);
-        span.textContent = `${text} `;
-        ui.transcript.appendChild(span);
-        exposed.finals.push(text);
-        const sent = sentAtMs(msg.end);
-        if (sent !== null) {
-          const latency = (performance.now() - sent) / 1000;
-          s.latenciesS.push(latency);
-          exposed.latenciesS.push(latency);
-          ui.latency.textContent =
-            `${latency.toFixed(2)} s (median ${median(s.latenciesS).toFixed(2)} s, n=${s.latenciesS.length})`;
+        if (msg.language) showLanguage(msg.language, msg.language_probability, false);
+        if (!hasText) {
+          updateTranscript(removePartial);
+          break;
         }
+        noteFirstText(msg);
+        const text = msg.text.split(/\s+/).filter(Boolean).join(" ");
+        showFinal(text);
+        exposed.finals.push(text);
+        exposed.finalLog.push({ message: msg, offsetS: s.offsetS });
+        // Word times in the session's stream time first, then on the page's timeline: the
+        // same arithmetic as client/subtitles.py and client/timeline.py.
+        for (const w of Subtitles.wordsFromFinal(msg)) {
+          state.words.push({ ...w, startS: w.startS + s.offsetS, endS: w.endS + s.offsetS });
+        }
+        noteFinalLatency(msg);
+        setDownloads(true);
         break;
       }
       case "error":
@@ -348,11 +526,73 @@
         break;
       case "done":
         s.done = true;
+        s.utterances = [];
+        endParagraph();
         state.ws.close(1000);
         break;
       default:
-        break; // speech_ended, and anything newer: nothing to show
+        break; // anything newer: nothing to show
     }
+  }
+
+  // ------------------------------------------------------------------ take away
+
+  function transcriptText() {
+    const lines = state.paragraphs.map((p) => p.text).filter(Boolean);
+    return lines.length ? `${lines.join("\n")}\n` : "";
+  }
+
+  function fileName(ext) {
+    const t = new Date();
+    const two = (x) => String(x).padStart(2, "0");
+    const stamp = `${t.getFullYear()}${two(t.getMonth() + 1)}${two(t.getDate())}-${two(t.getHours())}${two(t.getMinutes())}${two(t.getSeconds())}`;
+    return `whisperwire-${stamp}.${ext}`;
+  }
+
+  function download(kind) {
+    let text;
+    let type;
+    if (kind === "txt") {
+      text = transcriptText();
+      type = "text/plain";
+    } else {
+      const cues = Subtitles.buildCues(state.words);
+      text = kind === "srt" ? Subtitles.srtDocument(cues) : Subtitles.vttDocument(cues);
+      type = kind === "srt" ? "application/x-subrip" : "text/vtt";
+    }
+    const url = URL.createObjectURL(new Blob([text], { type: `${type};charset=utf-8` }));
+    const a = document.createElement("a");
+    a.href = url;
+    a.download = fileName(kind);
+    document.body.appendChild(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 10000);
+  }
+
+  async function copyTranscript() {
+    const text = transcriptText();
+    try {
+      await navigator.clipboard.writeText(text);
+    } catch (err) {
+      // No clipboard API (plain http from another host) or no permission: the old way.
+      const area = document.createElement("textarea");
+      area.value = text;
+      document.body.appendChild(area);
+      area.select();
+      const ok = document.execCommand("copy");
+      area.remove();
+      if (!ok) {
+        ui.copied.textContent = "could not copy";
+        return;
+      }
+    }
+    ui.copied.textContent = "copied";
+    setTimeout(() => { ui.copied.textContent = ""; }, 2000);
+  }
+
+  function setDownloads(enabled) {
+    for (const button of [...ui.downloads, ui.copy]) button.disabled = !enabled;
   }
 
   // ------------------------------------------------------------------ stop
@@ -385,6 +625,7 @@
         ws.close(1000);
       }, DONE_TIMEOUT_MS);
     } else {
+      setConnection("closed");
       finishStopped("Stopped.");
     }
   }
@@ -403,9 +644,28 @@
     setPhase("idle");
   }
 
-  ui.start.addEventListener("click", () => {
+  function toggle() {
     if (state.phase === "idle") start();
     else if (state.phase === "running") stop();
+  }
+
+  ui.start.addEventListener("click", toggle);
+  for (const button of ui.downloads) {
+    button.addEventListener("click", () => download(button.dataset.download));
+  }
+  ui.copy.addEventListener("click", copyTranscript);
+  document.addEventListener("keydown", (event) => {
+    // Space starts and stops, except where it already means something (a focused button
+    // is clicked by it, a text field types it).
+    if (event.code !== "Space" || event.repeat || event.ctrlKey || event.metaKey || event.altKey) return;
+    const target = event.target;
+    if (target instanceof Element && target.closest("button, a, input, textarea, select, [contenteditable]")) return;
+    event.preventDefault();
+    toggle();
   });
+  window.addEventListener("resize", () => Chart.draw(ui.chart, state.chart));
   setPhase("idle");
+  setConnection("not connected");
+  setDownloads(false);
+  Chart.draw(ui.chart, state.chart);
 })();
