@@ -7,7 +7,8 @@ up. The slow one runs two real ``whisperwire-server`` processes with tiny.en on 
 sessions spread by leastconn, SIGTERM on an instance mid-stream (it drains: its session
 finishes with every final and ``done``, new sessions go to the other), a restarted instance
 that gets nothing while it warms up, and a session finished by a drain that ends (1001)
-resumed by the client on the other instance.
+resumed by the client on the other instance. The browser page, served through HAProxy, does
+the same in real headless Chromium (``tests/test_web_page.py`` drives it).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 import jiwer
 import numpy as np
 import pytest
+from playwright.async_api import async_playwright
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -45,6 +47,7 @@ from tests.helpers import (
     metric_value,
     normalize,
     pcm_frames,
+    read_manifest,
     stream_frames,
     wer,
 )
@@ -57,11 +60,14 @@ from tests.instances import (
     haproxy_config,
     wait_until,
 )
+from tests.test_web_page import CHROMIUM, FINAL_TEXT_JS, STATE_WAIT_MS, WORDS_WAIT_MS, launch
+from tests.test_web_page import wait_until as wait_on_page
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")
 
 API_KEY = "deploy-test-key"
 SESSIONS = "whisperwire_sessions_total"
+ACTIVE = "whisperwire_sessions_active"
 REFUSED = "whisperwire_sessions_refused_total"
 MAX_WER_CLIP = 0.35  # as in test_app: one short clip streamed, a word or two wrong
 # The six clips of the spread check, 4 to 11 s each; all different, so a mix-up shows.
@@ -77,6 +83,15 @@ DRAIN_CLIP = "librispeech_dev-clean/2412-153948-0000.wav"  # 11.7 s: SIGTERM 4 s
 RESUME_CLIPS = ("ljspeech/LJ001-0001.wav", "ljspeech/LJ001-0003.wav")  # joined: 20 s
 DRAIN_S = 30  # the real instances' --drain-s: longer than what DRAIN_CLIP has left
 SHORT_DRAIN_S = 2  # the restarted instance's: shorter than what the resumed stream has left
+PAGE_CLIP = "ljspeech/long/LJ001-0001_to_0032.concat.wav"  # 222 s: never loops within the test
+MIN_HIT_RATIO = 0.8  # words on the page found, in order, in the clip's reference
+SURVIVOR_WORDS = 15  # final words awaited from the instance the page resumed on
+# One lane each: two instances share this machine's two cores. The capacity estimate
+# of one lane is under three streams; these tests transcripts and draining, not admission.
+REAL_INSTANCE_ARGS = (
+    *("--model", "tiny.en", "--api-key", API_KEY, "--log-level", "info"),
+    *("--decode-lanes", "1", "--no-capacity-limit", "--max-sessions", "8"),
+)
 
 
 # --------------------------------------------------------------------------- the file itself
@@ -355,10 +370,14 @@ def check_complete(result: StreamResult, sent_s: float) -> None:
     assert done.failed_s == 0, done
 
 
-async def sessions_total(instance: ServerInstance) -> float:
+async def instance_metric(instance: ServerInstance, sample: str) -> float:
     status, page = await instance.get("/metrics")
     assert status == 200
-    return metric_value(page, SESSIONS)
+    return metric_value(page, sample)
+
+
+async def sessions_total(instance: ServerInstance) -> float:
+    return await instance_metric(instance, SESSIONS)
 
 
 def when_audio_reached(seconds_in: float) -> tuple[asyncio.Event, Callable[[object], None]]:
@@ -387,6 +406,16 @@ async def hold_a_session(url: str, opened: asyncio.Event, stop: asyncio.Event) -
             pass
 
 
+async def stop_all(instances: list[ServerInstance]) -> None:
+    """End what still runs of ``instances`` (a test that failed midway) and read their logs."""
+    for instance in instances:
+        if instance.process is not None and instance.process.returncode is None:
+            instance.signal(signal.SIGINT)  # finish at once, no drain
+            with contextlib.suppress(asyncio.TimeoutError):
+                await instance.wait_exit(30)
+        await instance.stop()
+
+
 async def exited_at(instance: ServerInstance) -> float:
     """When ``instance`` exited (``time.monotonic``), after checking it exited with 0."""
     code = await instance.wait_exit()
@@ -401,10 +430,7 @@ async def test_two_real_instances_behind_haproxy_drain_without_losing_a_word(
 ) -> None:
     haproxy_binary()
     ports = [free_port(), free_port()]
-    common = ["--model", "tiny.en", "--api-key", API_KEY, "--log-level", "info"]
-    # One lane each: two instances share this machine's two cores. The capacity estimate
-    # of one lane is under three streams; this tests transcripts and draining, not admission.
-    common += ["--decode-lanes", "1", "--no-capacity-limit", "--max-sessions", "8"]
+    common = list(REAL_INSTANCE_ARGS)
     instances = [
         ServerInstance(
             f"ww{i}", port, [*common, "--drain-s", str(DRAIN_S)], tmp_path / f"ww{i}.log"
@@ -586,12 +612,188 @@ async def test_two_real_instances_behind_haproxy_drain_without_losing_a_word(
             aligned = jiwer.process_words(normalize(ref), normalize(resumed.text))
             assert aligned.deletions == 0, (resumed.text, [r.text for r in resumed.sessions])
     finally:
-        for instance in instances:
-            if instance.process is not None and instance.process.returncode is None:
-                instance.signal(signal.SIGINT)  # finish at once, no drain
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await instance.wait_exit(30)
-            await instance.stop()
+        await stop_all(instances)
         artifacts = Path(__file__).parent / "artifacts"
         artifacts.mkdir(exist_ok=True)
         (artifacts / "deploy-haproxy.json").write_text(json.dumps(figures, indent=1) + "\n")
+
+
+# From now on, when the page first shows its connection lost and then back, and the first
+# final of a session other than the current one; the page's clock now is returned. A
+# MutationObserver runs right after the handler that changed the page, so the times are
+# those of the messages' arrival, not of a poll.
+RECORD_RESUME_JS = """() => {
+  const ww = window.whisperwire;
+  const oldOffsets = new Set(ww.finalLog.map((f) => f.offsetS));
+  const connection = document.getElementById('connection');
+  const marks = { reconnectingMs: null, connectedMs: null, firstFinalMs: null };
+  window.resumeMarks = marks;
+  new MutationObserver(() => {
+    const now = performance.now();
+    const shown = connection.dataset.state;
+    if (marks.reconnectingMs === null && shown === 'reconnecting') {
+      marks.reconnectingMs = now;
+      marks.reconnectingStatus = document.getElementById('status').textContent;
+    }
+    if (marks.reconnectingMs !== null && marks.connectedMs === null && shown === 'connected') {
+      marks.connectedMs = now;
+    }
+    if (marks.firstFinalMs === null && ww.finalLog.some((f) => !oldOffsets.has(f.offsetS))) {
+      marks.firstFinalMs = now;
+    }
+  }).observe(document.body, { subtree: true, childList: true, characterData: true,
+    attributes: true });
+  return performance.now();
+}"""
+
+# Finals of the sessions after the first, whose offsets on the page's timeline are later.
+LATER_FINALS_JS = (
+    "() => window.whisperwire.finalLog"
+    ".filter((f) => f.offsetS > window.whisperwire.finalLog[0].offsetS)"
+    ".map((f) => f.message.text)"
+)
+
+
+def lined_up(reference_text: str, text: str) -> tuple[float, int]:
+    """How ``text`` lines up with a longer reference: the share of its words matched in
+    order, and how many reference words it skips between its first and its last."""
+    words = normalize(text).split()
+    assert words, text
+    aligned = jiwer.process_words(normalize(reference_text), " ".join(words))
+    chunks = aligned.alignments[0]
+    while chunks and chunks[0].type == "delete":
+        chunks = chunks[1:]
+    while chunks and chunks[-1].type == "delete":
+        chunks = chunks[:-1]
+    skipped = sum(c.ref_end_idx - c.ref_start_idx for c in chunks if c.type == "delete")
+    return aligned.hits / len(words), skipped
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(
+    not Path(CHROMIUM).is_file(),
+    reason="Debian's Chromium is not at /usr/bin/chromium (`make browser` installs it)",
+)
+@on_session_loop
+async def test_the_browser_page_goes_on_on_the_other_instance_when_its_instance_drains(
+    speech_dir: Path, tmp_path: Path
+) -> None:
+    """The page, served through HAProxy, its fake microphone reading a long recording: SIGTERM
+    on the instance serving it, whose drain ends the session (its last finals, ``done``). The
+    page keeps the old session's finals, reconnects through HAProxy, and the new session, on
+    the other instance, goes on with finals of the same recording."""
+    haproxy_binary()
+    (row,) = [r for r in read_manifest(speech_dir / "manifest_long.tsv") if r.file == PAGE_CLIP]
+    ports = [free_port(), free_port()]
+    instances = [
+        ServerInstance(
+            f"ww{i}",
+            port,
+            [*REAL_INSTANCE_ARGS, "--drain-s", str(SHORT_DRAIN_S)],
+            tmp_path / f"ww{i}.log",
+        )
+        for i, port in enumerate(ports, 1)
+    ]
+    errors: list[str] = []
+    figures: dict[str, object] = {}
+    try:
+        await asyncio.gather(*(i.start() for i in instances))
+        await asyncio.gather(*(i.wait_ready() for i in instances))
+        async with haproxy_in_front(ports, tmp_path) as lb, async_playwright() as pw:
+            await lb.haproxy.wait_for("ww1", "UP")
+            await lb.haproxy.wait_for("ww2", "UP")
+            browser = await launch(
+                pw,
+                "--use-fake-ui-for-media-stream",
+                f"--use-file-for-fake-audio-capture={speech_dir / PAGE_CLIP}",
+            )
+            try:
+                page = await browser.new_page()
+                page.on("pageerror", lambda exc: errors.append(str(exc)))
+                await page.goto(f"{lb.http_url}/?token={API_KEY}")
+                await wait_on_page(page, "document.body.dataset.state === 'idle'", STATE_WAIT_MS)
+                await page.click("#start")
+                await wait_on_page(page, "window.whisperwire.finals.length >= 2", WORDS_WAIT_MS)
+
+                active = [await instance_metric(i, ACTIVE) for i in instances]
+                assert sorted(active) == [0, 1], active
+                serving, survivor = instances[active.index(1)], instances[active.index(0)]
+                survivor_total = await sessions_total(survivor)
+                first_id = await page.evaluate("window.whisperwire.sessionId")
+                finals_before = await page.evaluate("window.whisperwire.finals.slice()")
+                shown_before = await page.evaluate(FINAL_TEXT_JS)
+                sigterm_ms = await page.evaluate(RECORD_RESUME_JS)
+                sigterm_at = time.monotonic()
+                serving.signal(signal.SIGTERM)
+                serving_exit = asyncio.create_task(exited_at(serving))
+
+                await wait_on_page(page, "window.resumeMarks.firstFinalMs !== null", WORDS_WAIT_MS)
+                marks = await page.evaluate("window.resumeMarks")
+                for name, mark in (
+                    ("reconnecting", "reconnectingMs"),
+                    ("connected", "connectedMs"),
+                    ("first_final", "firstFinalMs"),
+                ):
+                    figures[f"sigterm_to_{name}_s"] = round((marks[mark] - sigterm_ms) / 1000, 2)
+                assert await instance_metric(survivor, ACTIVE) == 1  # was 0: it took the page
+                assert await sessions_total(survivor) == survivor_total + 1
+                figures["sigterm_to_exit_s"] = round(await serving_exit - sigterm_at, 2)
+                assert f"drained for {SHORT_DRAIN_S} s; 1 session(s) still open" in (
+                    serving.log_path.read_text()
+                )
+                exposed = await page.evaluate("window.whisperwire")
+                assert exposed["reconnects"] == 1, exposed
+                # The drain's end: "done", then the server's close 1001, unless the page's own
+                # close (1000, sent on "done") reached the server first and was echoed.
+                assert exposed["lastClose"]["code"] in (1000, 1001), exposed
+                figures["close_code"] = exposed["lastClose"]["code"]
+                figures["status_while_reconnecting"] = marks["reconnectingStatus"]
+                assert exposed["sessionId"] not in (None, first_id), exposed
+                assert await page.text_content("#connection") == "connected"
+                # The old session's finals are all still there, first, in the page's text.
+                assert exposed["finals"][: len(finals_before)] == finals_before
+                assert (await page.evaluate(FINAL_TEXT_JS)).startswith(shown_before)
+
+                later_words = f"(n) => ({LATER_FINALS_JS})().join(' ').split(/\\s+/).length >= n"
+                await wait_on_page(page, later_words, WORDS_WAIT_MS, SURVIVOR_WORDS)
+                status = await page.text_content("#status")
+                assert status is not None and status.startswith("Listening"), status
+                assert not await page.evaluate(
+                    "document.getElementById('status').classList.contains('error')"
+                )
+                later = await page.evaluate(LATER_FINALS_JS)
+                exposed = await page.evaluate("window.whisperwire")
+                offsets = [f["offsetS"] for f in exposed["finalLog"]]
+                assert offsets == sorted(offsets) and offsets[0] == 0 < offsets[-1], offsets
+                figures["resumed_at_s"] = round(offsets[-1], 2)
+                assert await page.locator("#transcript .final").count() == len(exposed["finals"])
+                page_text, survivor_text = " ".join(exposed["finals"]), " ".join(later)
+                page_hits, page_skipped = lined_up(row.transcript, page_text)
+                survivor_hits, _ = lined_up(row.transcript, survivor_text)
+                figures.update(
+                    page_hit_ratio=round(page_hits, 3),
+                    page_words_skipped=page_skipped,
+                    survivor_hit_ratio=round(survivor_hits, 3),
+                    page_text=page_text,
+                    survivor_text=survivor_text,
+                )
+                assert page_hits >= MIN_HIT_RATIO, page_text
+                assert survivor_hits >= MIN_HIT_RATIO, survivor_text
+
+                await page.click("#start")
+                await wait_on_page(page, "document.body.dataset.state === 'idle'", STATE_WAIT_MS)
+                assert await page.text_content("#status") == "Stopped."
+                assert (await page.evaluate("window.whisperwire.lastClose"))["code"] == 1000
+
+                async def survivor_idle() -> bool:
+                    return await instance_metric(survivor, ACTIVE) == 0
+
+                await wait_until(f"{survivor.name} to end the page's session", survivor_idle)
+            finally:
+                await browser.close()
+    finally:
+        await stop_all(instances)
+        artifacts = Path(__file__).parent / "artifacts"
+        artifacts.mkdir(exist_ok=True)
+        (artifacts / "deploy-haproxy-page.json").write_text(json.dumps(figures, indent=1) + "\n")
+    assert not errors, errors
