@@ -692,7 +692,9 @@ class Session:
 
     def _force_cut(self, seg: _Segment, limit: int) -> None:
         """The window outgrew ``max_window_s``: cut at the last committed word, or commit the
-        tentative words first if nothing was agreed on.
+        tentative words first if nothing was agreed on since the window began (the words a cut
+        carried into it do not count: a cut behind them would skip the whole window, as it
+        did on LJ long streamed faster than real time, 15 s of words lost per cut).
 
         Never past what the engine has heard of the window: a stream that fell behind (its
         decodes slower than its audio) holds more than ``max_window_s`` of undecoded speech,
@@ -700,14 +702,31 @@ class Session:
         ``max_window_s``; the cut follows once that was decoded."""
         if seg.language is None:
             self._decide_before_cut(seg)
-        elif not seg.committed and seg.tentative:
+        elif len(seg.committed_tokens) <= seg.prompted_tokens and seg.tentative:
             self._commit(seg, seg.policy.finalize())
         heard = min(seg.heard_to, limit)
         at, carry = self._cut_point(seg, heard)
         if at <= seg.window_start:
+            if seg.committed and len(seg.committed_tokens) <= seg.prompted_tokens:
+                # Whisper ended the text right after the carried prefix (seen on LJ long, after
+                # words squeezed onto a window's last frame): decode the window again without
+                # it rather than skip the speech after it.
+                self._drop_carried_prefix(seg)
+                return
             at, carry = heard, 0
         if at > seg.window_start:
             self._cut(seg, at, carry=carry)
+
+    def _drop_carried_prefix(self, seg: _Segment) -> None:
+        """Decode the window from its start with no forced prefix: the carried words are final
+        and in the prompt already (``_cut``), so nothing is sent again."""
+        seg.committed = []
+        seg.committed_tokens = []
+        seg.prompted_tokens = 0
+        seg.policy.reset()
+        seg.tentative = []
+        seg.draft = ()
+        seg.decoded_to = seg.window_start
 
     def _finish_segment_if_closed(self, seg: _Segment, *, decoded: bool) -> None:
         """Retire a closed segment. ``decoded``: its last window was decoded to the end (else

@@ -123,6 +123,22 @@ def test_long_recordings_stream_as_well_as_offline(
     assert done[0].audio_received_s == pytest.approx(audio.shape[0] / SAMPLE_RATE_HZ, abs=0.02)
 
 
+@pytest.mark.slow
+def test_a_recording_sent_all_at_once_loses_no_window(engine: Engine, speech_dir: Path) -> None:
+    """All 222 s of LJ long arrive before the first decode (``--pace 0``, or a stream far
+    behind): every window is cut at its cap. Two faults skipped whole 15 s windows while
+    ``done`` counted them transcribed: a cut behind the carried prefix when nothing new was
+    committed, and a cut past a window whose decode ended at the prefix."""
+    name = "ljspeech/long/LJ001-0001_to_0032.concat.wav"
+    audio = load_clip(speech_dir / name)
+    result = simulate(engine, audio, decode_cost_s=lambda job: 1000.0)
+    gaps = [(a.end, b.start) for a, b in pairwise(result.finals) if b.start - a.end > 3.0]
+    assert gaps == [], "continuous speech, so no final follows the one before by 3 s"
+    offline = transcribe_audio(engine, audio).text
+    assert wer(offline, result.text) <= 0.1, result.text
+    _assert_finals_are_append_only(result)
+
+
 def test_short_clip_gives_partials_then_finals(engine: Engine, speech_dir: Path) -> None:
     audio = load_clip(speech_dir / "misc_en" / "jfk.wav")
     result = simulate(engine, audio)
