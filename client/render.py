@@ -231,6 +231,14 @@ class UtteranceTracker:
 # --------------------------------------------------------------------------- renderers
 
 
+def language_tag(final: FinalMessage, current: str | None) -> str:
+    """ "[de] " before the first final in a detected language, and at each switch; "" for the
+    rest, and for sessions that do not detect their language."""
+    if final.language is None or final.language == current:
+        return ""
+    return f"[{final.language}] "
+
+
 class TerminalRenderer:
     """Live captions that flow: finals fill the line, wrapped at the terminal's width, with
     the partial after them, dimmed and redrawn in place.
@@ -255,6 +263,7 @@ class TerminalRenderer:
         self._partial = ""
         self._drawn: list[int] = [0]  # columns each row of the live region shows
         self._width = self._query_width()
+        self._language: str | None = None  # of the last final, when the server detects it
 
     def _query_width(self) -> int:
         if self._fixed_width is not None:
@@ -277,7 +286,9 @@ class TerminalRenderer:
             self._draw()
         elif isinstance(message, FinalMessage):
             self._partial = ""
-            for sentence in _sentences(self._safe(" ".join(message.text.split()))):
+            text = language_tag(message, self._language) + " ".join(message.text.split())
+            self._language = message.language or self._language
+            for sentence in _sentences(self._safe(text)):
                 self._add(sentence)
                 if self._rows_above + 1 >= LONG_LINE_ROWS and ends_sentence(sentence):
                     self._end_line()
@@ -379,13 +390,16 @@ class TextRenderer:
         self._out = out
         self._tracker = UtteranceTracker()
         self._line = ""
+        self._language: str | None = None  # of the last final, when the server detects it
 
     def on_message(self, message: ServerMessage) -> None:
         """Gather a final's text; write the line when its utterance is over."""
         if self._tracker.observe(message) is not None:
             self._write_line()
         if isinstance(message, FinalMessage):
-            self._line = join_text(self._line, " ".join(message.text.split()))
+            text = language_tag(message, self._language) + " ".join(message.text.split())
+            self._language = message.language or self._language
+            self._line = join_text(self._line, text)
 
     def close(self) -> None:
         """Write the last line."""

@@ -241,6 +241,30 @@ def test_text_is_one_line_per_utterance_written_once_it_is_over() -> None:
     assert isinstance(SCRIPT[first], PartialMessage) and SCRIPT[first].start == 7.6
 
 
+def test_a_detected_language_is_tagged_where_it_starts_and_where_it_switches() -> None:
+    def final(i: int, text: str, language: str, start: float) -> FinalMessage:
+        return FinalMessage(i, text, start, start + 1, (), start + 2, 0.1, language, 0.97)
+
+    out = io.StringIO()
+    renderer = TextRenderer(out)
+    for message in [
+        final(0, " Der Raum", "de", 0.0),
+        final(1, " wurde genutzt.", "de", 1.0),
+        SpeechEndedMessage(2.2, 2.5),
+        final(2, " And then", "en", 3.0),
+    ]:
+        renderer.on_message(message)
+    renderer.close()
+    assert out.getvalue() == "[de] Der Raum wurde genutzt.\n[en] And then\n"
+    terminal = io.StringIO()
+    flowing = TerminalRenderer(terminal, width=80, color=False)
+    flowing.on_message(final(0, " Der Raum", "de", 0.0))
+    flowing.on_message(final(1, " wurde", "de", 1.0))
+    flowing.close()
+    last_row = terminal.getvalue().rsplit("\x1b[2K", 1)[-1]  # the row as last redrawn
+    assert last_row == "[de] Der Raum wurde\n"
+
+
 def test_jsonl_is_every_message_one_per_line() -> None:
     text, _ = _render(JsonlRenderer)
     lines = text.splitlines()

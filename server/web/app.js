@@ -289,7 +289,7 @@
     // behind a load balancer); carry on with a new session, which lands on another instance.
     const endedByServer = s && s.done && !s.endSent && state.phase === "running";
     if (endedByServer) {
-      scheduleReconnect(event);
+      scheduleReconnect(event, true);
       return;
     }
     setConnection("closed");
@@ -310,17 +310,19 @@
     scheduleReconnect(event);
   }
 
-  function scheduleReconnect(event) {
+  function scheduleReconnect(event, endedByServer = false) {
     state.retries += 1;
     exposed.reconnects += 1;
     setConnection("reconnecting");
     const base = Math.min(BACKOFF_MAX_MS, BACKOFF_FIRST_MS * 2 ** (state.retries - 1));
     const delay = base * (0.8 + 0.4 * Math.random()); // jitter: clients do not return in step
+    // A session the server finished with its summary (a draining instance) is no error,
+    // whichever close code reached us first (1000 or 1001).
     const why =
-      event.code === 1013 ? "server busy"
-      : event.code === 1000 ? "the server ended the session"
+      endedByServer || event.code === 1000 ? "the server ended the session"
+      : event.code === 1013 ? "server busy"
       : `connection lost (${event.code})`;
-    setStatus(`${why}; reconnecting in ${(delay / 1000).toFixed(1)} s…`, true);
+    setStatus(`${why}; reconnecting in ${(delay / 1000).toFixed(1)} s…`, !endedByServer);
     state.reconnectTimer = setTimeout(connect, delay);
   }
 
@@ -493,9 +495,6 @@
         else s.utterances.push([msg.end, msg.end]);
         break;
       }
-      case "language":
-        showLanguage(msg.language, msg.probability, false);
-        break;
       case "partial":
         if (msg.language) showLanguage(msg.language, msg.language_probability, msg.language_provisional);
         if (hasText) noteFirstText(msg);
