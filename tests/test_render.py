@@ -440,6 +440,21 @@ def whisperwire_command() -> list[str]:
     return [str(script)] if script.is_file() else [sys.executable, "-m", "client.cli"]
 
 
+def stream_jfk_command(server_url: str, speech_dir: Path, *extra: str) -> list[str]:
+    """``whisperwire stream`` of jfk.wav in real time against the test server."""
+    url = server_url + "/v1/stream"
+    return [
+        *whisperwire_command(),
+        "stream",
+        str(speech_dir / JFK),
+        "--url",
+        url,
+        "--pace",
+        "1",
+        *extra,
+    ]
+
+
 def reference(speech_dir: Path, file: str) -> str:
     rows = read_manifest(speech_dir / "manifest.tsv")
     return next(row.transcript for row in rows if row.file == file)
@@ -492,16 +507,7 @@ async def test_the_stream_command_in_a_terminal_shows_flowing_captions(
     the partial dim while it lasts and gone at the end, the stats after the captions.
     Saves the screen as tests/artifacts/terminal.txt and terminal.png."""
     width = 72
-    command = [
-        *whisperwire_command(),
-        "stream",
-        str(speech_dir / JFK),
-        "--url",
-        server_url + "/v1/stream",
-        "--pace",
-        "1",
-        "--stats",
-    ]
+    command = stream_jfk_command(server_url, speech_dir, "--stats")
     pane = TmuxPane(
         tmux_socket,
         command,
@@ -550,15 +556,7 @@ async def test_the_stream_command_redraws_at_the_new_width_when_the_terminal_shr
     """SIGWINCH: the window shrinks from 60 to 36 columns while a partial shows; the
     terminal reflows what is on it, the command redraws its row at the new width, and the
     screen ends with the transcript once, nothing of a partial left over."""
-    command = [
-        *whisperwire_command(),
-        "stream",
-        str(speech_dir / JFK),
-        "--url",
-        server_url + "/v1/stream",
-        "--pace",
-        "1",
-    ]
+    command = stream_jfk_command(server_url, speech_dir)
     pane = TmuxPane(
         tmux_socket, command, width=60, height=16, env={"LANG": "C.UTF-8"}, prompt="whisperwire"
     )
