@@ -174,12 +174,8 @@ class Session:
 
     @property
     def language(self) -> str | None:
-        """The language asked for; None: detected (``detected_language`` says which)."""
+        """The language asked for; None: detected per segment (``LanguageTracker``)."""
         return self._language
-
-    @property
-    def detected_language(self) -> str | None:
-        return self._detector.language if self._detector is not None else None
 
     @property
     def _detecting(self) -> LanguageTracker | None:
