@@ -60,7 +60,16 @@ from tests.instances import (
     haproxy_config,
     wait_until,
 )
-from tests.test_web_page import CHROMIUM, FINAL_TEXT_JS, STATE_WAIT_MS, WORDS_WAIT_MS, launch
+from tests.test_web_page import (
+    CHROMIUM,
+    FINAL_TEXT_JS,
+    STATE_WAIT_MS,
+    WORDS_WAIT_MS,
+    check_page_seams,
+    check_resumed_at_seam_words,
+    launch,
+    seams_lined_up,
+)
 from tests.test_web_page import wait_until as wait_on_page
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")
@@ -681,7 +690,9 @@ async def test_the_browser_page_goes_on_on_the_other_instance_when_its_instance_
     """The page, served through HAProxy, its fake microphone reading a long recording: SIGTERM
     on the instance serving it, whose drain ends the session (its last finals, ``done``). The
     page keeps the old session's finals, reconnects through HAProxy, and the new session, on
-    the other instance, goes on with finals of the same recording."""
+    the other instance, goes on with finals of the same recording: it starts at the old
+    session's last two final words, sent the audio the page kept from there, so the word the
+    drain cut is heard whole, and the words it hears again are shown once."""
     haproxy_binary()
     (row,) = [r for r in read_manifest(speech_dir / "manifest_long.tsv") if r.file == PAGE_CLIP]
     ports = [free_port(), free_port()]
@@ -779,6 +790,19 @@ async def test_the_browser_page_goes_on_on_the_other_instance_when_its_instance_
                 )
                 assert page_hits >= MIN_HIT_RATIO, page_text
                 assert survivor_hits >= MIN_HIT_RATIO, survivor_text
+                # At the seam: the word the drain cut is heard whole by the new session, and
+                # the final words it hears again are shown once.
+                (seam,) = seams_lined_up(row.transcript, exposed["finalLog"])
+                figures.update(
+                    seam_words_lost=seam.lost,
+                    seam_words_repeated=seam.repeated,
+                    page_text_at_seam=seam.text,
+                    page_seams=exposed.get("seams"),
+                )
+                assert seam.lost == 0, seam
+                assert seam.repeated == 0, seam
+                check_resumed_at_seam_words(exposed["finalLog"])
+                check_page_seams(exposed)
 
                 await page.click("#start")
                 await wait_on_page(page, "document.body.dataset.state === 'idle'", STATE_WAIT_MS)

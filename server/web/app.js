@@ -5,12 +5,26 @@
 // .final spans and one .partial), #ttft, #latency, #chart, #level, #model, #language,
 // #connection, #download-txt, #download-srt, #download-vtt, #copy, body[data-state]
 // (idle | starting | running | stopping) and window.whisperwire (counters and data).
+//
+// Reconnects resume with overlap, as client/reconnect.py does: a session its server ends
+// mid-speech (a drain: its last finals, "done", close 1001) is cut mid-word, and the cut
+// word is lost unless someone hears it again. So the page keeps the audio it captured from
+// the start of the second-last final word on (SEAM_WORDS), starts the next session there and
+// sends that audio first, then the live audio; the words the new session repeats at the seam
+// are dropped from its first final (client/timeline.py, drop_seam_repeat).
 "use strict";
 
 (() => {
   const TARGET_RATE = 16000;
   const CHUNK_MS = 100;
-  const BACKLOG_MAX_CHUNKS = 50; // audio kept while (re)connecting: 5 s, then oldest dropped
+  // Final words a resumed session hears again (client/reconnect.py SEAM_WORDS: the server
+  // keeps as many at its own window cuts).
+  const SEAM_WORDS = 2;
+  const RESUME_SLACK_S = 0.001; // wire times are rounded to ms: resume early rather than skip
+  const SEAM_REPEAT_WINDOW_S = 1.0; // a repeat is looked for only this close to the seam
+  // Audio kept for a resend (client/reconnect.py RetryPolicy.max_replay_s): a cap for long
+  // speech without a final; past it the oldest is dropped, with a warning.
+  const MAX_REPLAY_S = 60;
   const BACKOFF_FIRST_MS = 500;
   const BACKOFF_MAX_MS = 10000;
   const DONE_TIMEOUT_MS = 10000; // after "end", how long to wait for "done"
@@ -47,7 +61,12 @@
     ws: null,
     session: null,
     sessions: 0,
-    backlog: [],
+    // Captured audio a next session may need: {pcm, samples, startSample} on the page's
+    // timeline, from the resume point (or the oldest within MAX_REPLAY_S) to the newest.
+    kept: [],
+    keptOverflowWarned: false,
+    resumeSample: 0, // where a next session starts: the first seam word, less the slack
+    seamWords: [], // the last SEAM_WORDS final words, {word, start, end} on the page's timeline
     retries: 0,
     reconnectTimer: null,
     capturedSamples: 0, // the page's timeline: audio captured since the first Start
@@ -67,17 +86,37 @@
     level: 0,
     sessionId: null,
     finals: [],
-    finalLog: [], // {message, offsetS}: every final as it came, and its session's offset
+    // {message, offsetS}: every final with text, as it came but for the seam repeat a
+    // resumed session's first one had dropped, and its session's offset.
+    finalLog: [],
     ttftS: null,
     ttftsS: [],
     latenciesS: [],
     reconnects: 0,
     lastClose: null,
     language: null,
+    // One per session that got "ready": {sessionId, offsetS (where its audio began on the
+    // page's timeline), replayedS (kept audio sent first), sentS (audio sent in all),
+    // receivedS (what its "done" said the server had; null before)}.
+    sessionLog: [],
+    // One per resumed session that made a final: {atS (its offsetS), replayedS, seam (the
+    // final words before it, which it heard again: {word, start, end} on the page's
+    // timeline), final (its first final with words, as the server sent it), dropped (the
+    // opening words of that final dropped as their repeat)}.
+    seams: [],
+    sendGaps: 0, // chunks sent out of order within a session (a bug if ever above 0)
   };
   Object.defineProperty(exposed, "phase", { get: () => state.phase, enumerable: true });
   Object.defineProperty(exposed, "words", { get: () => state.words, enumerable: true });
   Object.defineProperty(exposed, "chart", { get: () => state.chart, enumerable: true });
+  Object.defineProperty(exposed, "resumeS", {
+    get: () => state.resumeSample / TARGET_RATE,
+    enumerable: true,
+  });
+  Object.defineProperty(exposed, "keptS", {
+    get: () => state.kept.reduce((n, c) => n + c.samples, 0) / TARGET_RATE,
+    enumerable: true,
+  });
   Object.defineProperty(exposed, "paragraphs", {
     get: () => state.paragraphs.map((p) => p.text),
     enumerable: true,
@@ -158,6 +197,12 @@
       setPhase("idle");
       return;
     }
+    // A new recording: nothing of the last one is sent again, and none of its words is a
+    // seam. Reset before the worklet posts its first chunk.
+    state.kept = [];
+    state.keptOverflowWarned = false;
+    state.resumeSample = state.capturedSamples;
+    state.seamWords = [];
     try {
       state.ctx = new AudioContext({ latencyHint: "interactive" });
       await state.ctx.audioWorklet.addModule("audio-worklet.js");
@@ -182,7 +227,6 @@
       return;
     }
     state.retries = 0;
-    state.backlog = [];
     state.breakPending = true; // a new recording starts a new paragraph
     setPhase("running");
     connect();
@@ -214,24 +258,68 @@
     exposed.lastRms = data.rms;
     exposed.maxRms = Math.max(exposed.maxRms, data.rms);
     showLevel(data.rms);
-    const chunk = { pcm: data.pcm, samples: data.samples, startS: state.capturedSamples / TARGET_RATE };
+    const chunk = { pcm: data.pcm, samples: data.samples, startSample: state.capturedSamples };
     state.capturedSamples += data.samples;
+    keep(chunk);
+    // Sent now only to a session that has had the kept audio (its "ready"); otherwise it
+    // waits in the ring for the next "ready".
     const s = state.session;
-    if (s && s.ready && state.ws.readyState === WebSocket.OPEN) {
-      sendChunk(chunk);
-    } else {
-      state.backlog.push(chunk);
-      if (state.backlog.length > BACKLOG_MAX_CHUNKS) state.backlog.shift();
+    if (s && s.ready && state.ws.readyState === WebSocket.OPEN) sendChunk(chunk);
+  }
+
+  function keep(chunk) {
+    state.kept.push(chunk);
+    const maxSamples = MAX_REPLAY_S * TARGET_RATE;
+    while (state.kept.length > 1 && state.capturedSamples - state.kept[0].startSample > maxSamples) {
+      state.kept.shift();
+      if (!state.keptOverflowWarned) {
+        state.keptOverflowWarned = true;
+        console.warn(
+          `whisperwire: over ${MAX_REPLAY_S} s of audio with no final to cover it: the oldest is dropped and cannot be resent to a new session`,
+        );
+      }
     }
+  }
+
+  // A final covers the audio before the resume point: it need not be sent again.
+  function trimKept() {
+    const kept = state.kept;
+    let n = 0;
+    while (n < kept.length && kept[n].startSample + kept[n].samples <= state.resumeSample) n += 1;
+    kept.splice(0, n);
+  }
+
+  // A session's first audio, on "ready": what is kept from where it starts, the first chunk
+  // cut at that sample; the live chunks follow as they come (onWorkletMessage).
+  function sendKept(s) {
+    for (const chunk of state.kept) {
+      const skip = s.startSample - chunk.startSample;
+      if (skip >= chunk.samples) continue;
+      if (skip <= 0) {
+        sendChunk(chunk);
+      } else {
+        sendChunk({ pcm: chunk.pcm.slice(skip * 2), samples: chunk.samples - skip, startSample: s.startSample });
+      }
+    }
+    s.replayedS = s.samplesSent / TARGET_RATE;
+    s.log.replayedS = s.replayedS;
   }
 
   function sendChunk(chunk) {
     const s = state.session;
     // A session's stream time starts at its first chunk: where that lies on the page's
-    // timeline (audio dropped from a full backlog included).
-    if (s.offsetS === null) s.offsetS = chunk.startS;
+    // timeline (later than its resume point only if more than MAX_REPLAY_S was kept).
+    if (s.offsetS === null) {
+      s.offsetSample = chunk.startSample;
+      s.offsetS = chunk.startSample / TARGET_RATE;
+    } else if (chunk.startSample !== s.offsetSample + s.samplesSent) {
+      exposed.sendGaps += 1;
+      console.error("whisperwire: audio sent out of order", chunk.startSample, s.offsetSample + s.samplesSent);
+    }
     state.ws.send(chunk.pcm);
     s.samplesSent += chunk.samples;
+    s.log.offsetS = s.offsetS;
+    s.log.sentS = s.samplesSent / TARGET_RATE;
     s.sentEndsS.push(s.samplesSent / TARGET_RATE);
     s.sentWallMs.push(performance.now());
     exposed.chunksSent += 1;
@@ -245,7 +333,15 @@
       done: false,
       endSent: false,
       doneTimedOut: false, // the page closed after waiting DONE_TIMEOUT_MS for "done"
+      startSample: state.resumeSample, // where its audio starts on the page's timeline
+      // The final words before that, which it hears again: dropped from the opening of its
+      // first final with words when it repeats them.
+      seam: state.seamWords.slice(),
+      seamPending: state.seamWords.length > 0,
+      offsetSample: null,
       offsetS: null,
+      replayedS: 0, // kept audio sent on "ready", before the live audio
+      log: null, // its exposed.sessionLog entry, from "ready"
       samplesSent: 0,
       sentEndsS: [], // stream time at the end of each chunk sent
       sentWallMs: [], // performance.now() when each chunk was sent
@@ -419,6 +515,74 @@
     });
   }
 
+  // ------------------------------------------------------------------ the seam
+
+  // client/timeline.py _comparable: casefolded, letters and digits only.
+  const comparable = (word) => word.toLowerCase().replace(/[^\p{L}\p{N}]/gu, "");
+
+  // How many opening `words` (strings) repeat the end of `seam` (strings), longest first.
+  function repeatedAtSeam(words, seam) {
+    for (let n = Math.min(seam.length, words.length); n > 0; n--) {
+      const tail = seam.slice(seam.length - n);
+      if (words.slice(0, n).every((w, i) => comparable(w) === comparable(tail[i]))) return n;
+    }
+    return 0;
+  }
+
+  // `final` (the session's stream time) without the opening words that repeat the session's
+  // seam, when they start within SEAM_REPEAT_WINDOW_S of it (the session starts at the seam:
+  // stream time 0); client/timeline.py drop_seam_repeat. The text keeps its own spacing
+  // (the server's text is its words joined). All of it repeated: no text, no words.
+  function dropSeamRepeat(s, final) {
+    const words = final.words;
+    if (words[0].start > SEAM_REPEAT_WINDOW_S) return { final, dropped: [] };
+    const n = repeatedAtSeam(words.map((w) => w.word), s.seam.map((w) => w.word));
+    if (n === 0) return { final, dropped: [] };
+    const dropped = words.slice(0, n).map((w) => w.word);
+    const kept = words.slice(n);
+    if (kept.length === 0) return { final: { ...final, text: "", words: [], start: final.end }, dropped };
+    let pos = 0;
+    for (const w of words.slice(0, n)) {
+      const found = final.text.indexOf(w.word.trim(), pos);
+      if (found < 0) {
+        pos = -1;
+        break;
+      }
+      pos = found + w.word.trim().length;
+    }
+    const text = pos < 0 ? kept.map((w) => w.word.trim()).join(" ") : final.text.slice(pos).trim();
+    return { final: { ...final, text, words: kept, start: kept[0].start }, dropped };
+  }
+
+  // The session's first final with words, once: its seam repeat dropped and noted.
+  function seamFinal(s, msg) {
+    if (!s.seamPending || !Array.isArray(msg.words) || msg.words.length === 0) return msg;
+    s.seamPending = false;
+    const { final, dropped } = dropSeamRepeat(s, msg);
+    exposed.seams.push({ atS: s.offsetS, replayedS: s.replayedS, seam: s.seam, final: msg, dropped });
+    return final;
+  }
+
+  // A partial before that final: shown without the words it repeats at the seam, by the
+  // same rule (its text's words; a partial carries no word times).
+  function seamPartial(s, msg) {
+    if (!s.seamPending || typeof msg.text !== "string" || msg.start > SEAM_REPEAT_WINDOW_S) return msg;
+    const words = msg.text.split(/\s+/).filter(Boolean);
+    const n = repeatedAtSeam(words, s.seam.map((w) => w.word));
+    return n === 0 ? msg : { ...msg, text: words.slice(n).join(" ") };
+  }
+
+  // A final's words move the resume point on: a next session starts at the last SEAM_WORDS
+  // of them, and the audio before that is dropped from the ring.
+  function noteFinalWords(s, final) {
+    const words = (final.words || []).map((w) => ({ word: w.word, start: w.start + s.offsetS, end: w.end + s.offsetS }));
+    if (words.length === 0) return;
+    state.seamWords = [...state.seamWords, ...words].slice(-SEAM_WORDS);
+    const resume = Math.floor((state.seamWords[0].start - RESUME_SLACK_S) * TARGET_RATE);
+    state.resumeSample = Math.max(state.resumeSample, s.offsetSample, resume);
+    trimKept();
+  }
+
   // ------------------------------------------------------------------ latency
 
   function noteFirstText(msg) {
@@ -464,14 +628,19 @@
 
   // ------------------------------------------------------------------ server messages
 
-  function onServerMessage(msg) {
+  function onServerMessage(message) {
     const s = state.session;
+    let msg = message;
+    if (msg.type === "final") msg = seamFinal(s, msg);
+    else if (msg.type === "partial") msg = seamPartial(s, msg);
     const hasText = typeof msg.text === "string" && msg.text.trim() !== "";
     if ((msg.type === "partial" || msg.type === "final") && utteranceOver(s, msg.start)) endParagraph();
     switch (msg.type) {
       case "ready":
         s.ready = true;
         state.sessions += 1;
+        s.log = { sessionId: msg.session_id, offsetS: null, replayedS: 0, sentS: 0, receivedS: null };
+        exposed.sessionLog.push(s.log);
         if (state.sessions > 1) endParagraph(); // a resumed recording: its words start anew
         exposed.sessionId = msg.session_id;
         state.retries = 0;
@@ -479,7 +648,7 @@
         ui.model.textContent = msg.model;
         showLanguage(msg.language, null, false);
         setStatus(`Listening (model ${msg.model}).`);
-        for (const chunk of state.backlog.splice(0)) sendChunk(chunk);
+        sendKept(s);
         if (state.phase === "stopping") sendEnd();
         break;
       case "speech_started": {
@@ -502,6 +671,7 @@
         break;
       case "final": {
         if (msg.language) showLanguage(msg.language, msg.language_probability, false);
+        noteFinalWords(s, msg);
         if (!hasText) {
           updateTranscript(removePartial);
           break;
@@ -510,7 +680,7 @@
         const text = msg.text.split(/\s+/).filter(Boolean).join(" ");
         showFinal(text);
         exposed.finals.push(text);
-        exposed.finalLog.push({ message: msg, offsetS: s.offsetS });
+        exposed.finalLog.push({ message: msg, offsetS: s.offsetS }); // seam repeat dropped
         // Word times in the session's stream time first, then on the page's timeline: the
         // same arithmetic as client/subtitles.py and client/timeline.py.
         for (const w of Subtitles.wordsFromFinal(msg)) {
@@ -525,6 +695,7 @@
         break;
       case "done":
         s.done = true;
+        if (s.log) s.log.receivedS = msg.audio_received_s;
         s.utterances = [];
         endParagraph();
         state.ws.close(1000);
@@ -615,7 +786,7 @@
     if (state.media) state.media.getTracks().forEach((t) => t.stop());
     const ws = state.ws;
     if (ws && (ws.readyState === WebSocket.CONNECTING || ws.readyState === WebSocket.OPEN)) {
-      // Before "ready", the ready handler sends the backlog and then "end".
+      // Before "ready", the ready handler sends the kept audio and then "end".
       if (state.session.ready) sendEnd();
       const s = state.session;
       setTimeout(() => {
