@@ -49,6 +49,8 @@ import numpy as np
 # data cannot tell them apart), the first one wins, and attributing cost to windows rather
 # than to the call is the cautious extrapolation to more streams.
 _SUBSETS = ((0, 1, 2), (0, 1), (0, 2), (0,), (1, 2), (1,), (2,))
+# Relative difference under which two predicted latencies are the same (CapacityModel.batch_size).
+_TIE = 1e-9
 # Least squares lands exact zeros a few ulps below 0; those are zeros, not negative costs.
 _NEGATIVE_TOLERANCE = 1e-12
 
@@ -250,16 +252,46 @@ class CapacityModel:
         )
         return max(1, min(limit, per_lane * self.lanes))
 
+    def batch_size(self, streams: int) -> int:
+        """How many windows an engine call may take with ``streams`` streams open: the batch
+        that brings a word's final soonest, as measured; ``max_batch_size`` before anything
+        was measured.
+
+        A word is final after the decode that gives it enough audio to its right: that decode
+        starts up to one hop after the audio arrived (the hop the lanes sustain with that
+        batch, ``stream_hop_s``) and takes one engine call of that batch. Larger batches
+        shorten the hop (a call's fixed cost is shared) and lengthen the call (every window
+        waits for all of them). On a CPU, where a batch of two costs nearly two calls, two
+        streams taking turns on a lane beat two batched together; with the decode-time binding
+        of windows (``Session.refresh_job``) the one that waited for the lane is decoded up to
+        the present, so the wait delays none of its words. Where a call costs about the same
+        whatever it holds (a GPU), batches win. Ties go to the larger batch: less lane time.
+        """
+        fit = self.fit
+        if fit is None or streams < 1:
+            return self.max_batch_size
+        share = -(-streams // self.lanes)
+        window_s = self.typical_window_s
+
+        def final_s(size: int) -> float:
+            together = min(size, share)
+            call_s = fit.batch_s(together, together * window_s)
+            return fit.round_s(share, window_s, size) / self.utilization + call_s
+
+        costs = {size: final_s(size) for size in range(1, self.max_batch_size + 1)}
+        best = min(costs.values())
+        return max(size for size, cost in costs.items() if cost <= best * (1 + _TIE))
+
     def stream_hop_s(self, streams: int) -> float:
         """How much new audio each of ``streams`` streams should gather between two decodes
         so that the lanes stay within ``utilization``: a lane's round of its share of them,
-        as measured, divided by the share of time a lane may be busy. 0 before anything was
-        measured (each stream then decodes at its own pace)."""
+        in batches of ``batch_size``, as measured, divided by the share of time a lane may be
+        busy. 0 before anything was measured (each stream then decodes at its own pace)."""
         fit = self.fit
         if fit is None or streams < 1:
             return 0.0
         share = -(-streams // self.lanes)
-        round_s = fit.round_s(share, self.typical_window_s, self.max_batch_size)
+        round_s = fit.round_s(share, self.typical_window_s, self.batch_size(streams))
         return round_s / self.utilization
 
     def describe(self) -> str:

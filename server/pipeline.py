@@ -25,7 +25,13 @@ to the queue for another lane, and a new child replaces it. Nothing sleeps to po
 
 Capacity: every engine call the lanes make for clients is timed into ``Pipeline.capacity``
 (``server.capacity``), which the app asks how many streams to admit. ``start`` seeds it with a
-few timed calls on synthetic windows, so the estimate exists before the first client.
+few timed calls on synthetic windows, so the estimate exists before the first client. The same
+model sets how many windows a call takes (``CapacityModel.batch_size``: the batch that brings
+words to their final soonest) and the least audio a stream gathers between decodes.
+
+Late binding: a window waits in the queue as a claim on a lane; when a lane takes it, its
+session extends it to the audio that arrived meanwhile (``Session.refresh_job``) and only then
+are its features final. A stream that waited for a lane is decoded up to the present.
 """
 
 from __future__ import annotations
@@ -64,12 +70,16 @@ Float32Array = npt.NDArray[np.float32]
 # --------------------------------------------------------------------------- pipeline
 
 
+Refresh = Callable[[DecodeJob], DecodeJob]
+
+
 @dataclass(eq=False)
 class _Request:
     job: DecodeJob
     window: Window
     future: asyncio.Future[DecodeResult]
     queued_at: float  # loop.time() when it entered the queue
+    refresh: Refresh | None = None  # the job over the newest audio, asked at dispatch
     queued: bool = True  # still in the heap
     lost_lanes: int = 0  # lanes that died while decoding it
 
@@ -338,26 +348,30 @@ class Pipeline:
         mel = await loop.run_in_executor(self._features_pool, engine.features, job.audio)
         return Window(mel, job.request)
 
-    async def enqueue(self, job: DecodeJob, window: Window) -> asyncio.Future[DecodeResult]:
+    async def enqueue(
+        self, job: DecodeJob, window: Window, *, refresh: Refresh | None = None
+    ) -> asyncio.Future[DecodeResult]:
         """Stage 3: queue a window for the lanes; waits while the queue is full.
 
         Returns the future of its result. Cancelling that future takes the window out of the
-        queue if it is still waiting.
+        queue if it is still waiting. ``refresh``: asked for the job again when a lane takes
+        it (``Session.refresh_job``); a job it extends gets its features again.
         """
         if self._closed or self._engine is None:
             raise RuntimeError("the pipeline is not running")
         await self._slots.acquire()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[DecodeResult] = loop.create_future()
-        request = _Request(job, window, future, loop.time())
+        request = _Request(job, window, future, loop.time(), refresh)
         future.add_done_callback(functools.partial(self._forget, request))
         self._push(request)
         return future
 
-    async def decode(self, job: DecodeJob) -> DecodeResult:
-        """Features, then queue, then the batched decode; raises ``DecodeError`` on failure."""
+    async def decode(self, job: DecodeJob, *, refresh: Refresh | None = None) -> DecodeResult:
+        """Features, then queue, then the batched decode; raises ``DecodeError`` on failure.
+        ``refresh``: see ``enqueue``."""
         window = await self.features(job)
-        future = await self.enqueue(job, window)
+        future = await self.enqueue(job, window, refresh=refresh)
         return await future
 
     # -- scheduling ------------------------------------------------------------------------
@@ -416,7 +430,7 @@ class Pipeline:
             # leaves the rest to that lane: two batches side by side finish sooner than
             # one of both. Nobody else to wait for once every stream not in flight elsewhere
             # has its window queued.
-            limit = self.config.max_batch_size
+            limit = min(self.config.max_batch_size, self.capacity.batch_size(self._streams))
             if len(idle) > 1:
                 limit = min(limit, -(-max(1, self._streams) // self.lanes))
             company = min(limit, max(1, self._streams - len(self._in_flight)))
@@ -442,11 +456,29 @@ class Pipeline:
             self._runs.add(task)
             task.add_done_callback(self._runs.discard)
 
+    async def _refresh(self, batch: list[_Request]) -> None:
+        """Bring each job of a batch a lane is about to take up to its stream's newest audio
+        (late binding): a window that waited in the queue is decoded up to now, not up to
+        when it was queued. Only the extended ones pay for their features again."""
+        stale = []
+        for request in batch:
+            if request.refresh is not None and not request.future.done():
+                fresh = request.refresh(request.job)
+                if fresh is not request.job:
+                    request.job = fresh
+                    stale.append(request)
+        if stale:
+            windows = await asyncio.gather(*(self.features(r.job) for r in stale))
+            for request, window in zip(stale, windows, strict=True):
+                request.window = window
+
     async def _run(self, slot: _LaneSlot, batch: list[_Request]) -> None:
         """One batch on one lane, and its results back to their sessions."""
         loop = asyncio.get_running_loop()
         windows = [r.window for r in batch]
         try:
+            await self._refresh(batch)
+            windows = [r.window for r in batch]
             run = await slot.lane.call(functools.partial(_decode_batch, windows=windows))
         except LaneLost as exc:
             logger.error("%s; its %d window(s) go to another lane", exc, len(batch))
@@ -665,6 +697,9 @@ class StreamDriver:
         if self.session.done:
             self._finish(DriverOutcome.DONE)
 
+    def _refresh_job(self, job: DecodeJob) -> DecodeJob:
+        return self.session.refresh_job(job, crowded=self.pipeline.crowded)
+
     def _take_seat(self) -> None:
         """A batch is being gathered: queue a window now if the session has one ready."""
         try:
@@ -677,7 +712,7 @@ class StreamDriver:
     async def _decode(self, job: DecodeJob) -> None:
         try:
             try:
-                result = await self.pipeline.decode(job)
+                result = await self.pipeline.decode(job, refresh=self._refresh_job)
             except Exception as exc:
                 # DecodeError, or anything else the engine raised: this job fails, the
                 # session reports it to its client and goes on.

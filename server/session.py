@@ -341,7 +341,57 @@ class Session:
             self._finish_segment_if_closed(seg, decoded=True)
             self._maybe_done()
             return self.next_job(min_hop_s=min_hop_s, crowded=crowded)
+        job = self._job(seg, end, closing=closing, job_id=self._next_job_id)
+        self._next_job_id += 1
+        seg.decoded_to = end
+        self._in_flight = job
+        return job
+
+    def refresh_job(self, job: DecodeJob, *, crowded: bool = False) -> DecodeJob:
+        """``job``, still waiting for a decode lane, over the audio that arrived meanwhile.
+
+        The decode stage asks just before a lane takes the job, so a stream that waited for a
+        lane is decoded up to the present rather than up to when it asked: its newest words
+        reach their right context sooner, and no decode is spent on audio already stale. The
+        window keeps its start, prefix, prompt and draft (nothing changes them while a job is
+        in flight); it grows to the end of the audio, at most to the window's cap (the cut
+        comes with the next job), and becomes the closing decode if the segment ended. Returns
+        ``job`` itself when nothing arrived; the result of either settles the job.
+        """
+        if job is not self._in_flight or job.closing or not self._segments:
+            return job
+        seg = self._segments[0]
+        c = self.streaming
+        max_window_s = min(c.max_window_s, c.crowded_max_window_s) if crowded else c.max_window_s
+        cap = seg.window_start + int(max_window_s * SAMPLE_RATE_HZ)
+        end = min(seg.end if seg.end is not None else self._buffer.end, cap)
+        if end <= seg.decoded_to:
+            return job
+        fresh = self._job(seg, end, closing=end == seg.end, job_id=job.job_id, base=job)
+        seg.decoded_to = end
+        self._in_flight = fresh
+        return fresh
+
+    def _job(
+        self,
+        seg: _Segment,
+        end: int,
+        *,
+        closing: bool,
+        job_id: int,
+        base: DecodeJob | None = None,
+    ) -> DecodeJob:
+        """The decode of ``seg``'s window up to ``end``; with ``base``, that job's request
+        over the new extent (it keeps its place in the decode queue)."""
         audio = self._buffer.slice(seg.window_start, end)
+        audio_s = audio.shape[0] / SAMPLE_RATE_HZ
+        if base is not None:
+            return dataclasses.replace(
+                base,
+                audio=audio,
+                request=dataclasses.replace(base.request, audio_s=audio_s),
+                closing=closing,
+            )
         detector = self._detecting
         if seg.language is not None or detector is None:
             options = DecodeOptions(language=seg.language, task=self.streaming.task)
@@ -349,13 +399,13 @@ class Session:
             options = DecodeOptions(
                 language=detector.decode_language(), task=self.streaming.task, detect_language=True
             )
-        job = DecodeJob(
+        return DecodeJob(
             session_id=self.session_id,
-            job_id=self._next_job_id,
+            job_id=job_id,
             audio=audio,
             start_s=seg.window_start / SAMPLE_RATE_HZ,
             request=DecodeRequest(
-                audio_s=audio.shape[0] / SAMPLE_RATE_HZ,
+                audio_s=audio_s,
                 options=options,
                 prompt=tuple(self._prompt[-self.streaming.prompt_max_tokens :])
                 if self._prompt_ok
@@ -365,17 +415,13 @@ class Session:
             ),
             closing=closing,
         )
-        self._next_job_id += 1
-        seg.decoded_to = end
-        self._in_flight = job
-        return job
 
     def receive_result(self, job: DecodeJob, result: DecodeResult) -> None:
         """Fold one decode result into the stream's text and emit events."""
         if self._in_flight is None or job.job_id != self._in_flight.job_id:
             self.log.warning("result for unknown job %d ignored", job.job_id)
             return
-        self._in_flight = None
+        job, self._in_flight = self._in_flight, None  # as last refreshed
         seg = self._segments[0]
         seg.heard_to = max(seg.heard_to, round(job.start_s * SAMPLE_RATE_HZ) + job.audio.shape[0])
         if seg.language is None and not self._settle_language(seg, job, result):
@@ -406,7 +452,7 @@ class Session:
         window holds the words not yet final, and one passing failure must not lose them)."""
         if self._in_flight is None or job.job_id != self._in_flight.job_id:
             return
-        self._in_flight = None
+        job, self._in_flight = self._in_flight, None  # as last refreshed
         self._events.append(
             ErrorMessage("decode_failed", f"decoding failed: {error}", False, self.audio_received_s)
         )

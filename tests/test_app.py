@@ -170,9 +170,12 @@ async def test_clips_stream_end_to_end(
     assert wer(refs, hyps) <= MAX_WER_CORPUS
 
 
-async def test_eight_concurrent_clients_are_batched(
+async def test_eight_concurrent_clients_are_all_transcribed(
     server_url: str, speech_dir: Path, manifest: list[ManifestRow]
 ) -> None:
+    """Eight streams at once on the real model. Whether their windows share engine calls is
+    the scheduler's measured choice (``CapacityModel.batch_size``; tests/test_pipeline.py
+    covers both ways); every call the lanes made is in the batch-size histogram."""
     before = (await http_get(http_url(server_url) + "/metrics"))[2].decode()
     clips = [pcm_frames(load_clip(speech_dir / f)) for f in CONCURRENT_CLIPS]
     outcomes = await asyncio.wait_for(
@@ -186,13 +189,18 @@ async def test_eight_concurrent_clients_are_batched(
     assert wer(refs, [o.text for o in outcomes]) <= MAX_WER_CORPUS
     after = (await http_get(http_url(server_url) + "/metrics"))[2].decode()
 
-    def batched(page: str) -> float:
-        # engine calls with more than one window: all calls minus those of size 1
-        return metric_value(page, "whisperwire_decode_batch_size_count") - metric_value(
-            page, 'whisperwire_decode_batch_size_bucket{le="1"}'
-        )
+    def windows(page: str) -> float:
+        return metric_value(page, "whisperwire_decode_batch_size_sum")
 
-    assert batched(after) > batched(before), "the decode worker never batched two windows"
+    def decoded_s(page: str) -> float:
+        return metric_value(page, "whisperwire_decoded_audio_seconds_total")
+
+    # Every stream's speech went through the lanes: a window or more each, covering at least
+    # what each session's done counts as transcribed.
+    assert windows(after) - windows(before) >= len(CONCURRENT_CLIPS)
+    transcribed_s = sum(o.messages[-1]["transcribed_s"] for o in outcomes)
+    assert transcribed_s > 0
+    assert decoded_s(after) - decoded_s(before) >= transcribed_s - 0.01
 
 
 async def test_shutdown_delivers_finals_and_done(
@@ -1086,10 +1094,12 @@ def peak(window: Window) -> float:
 
 
 class PeakRecordingEngine(ScriptedEngine):
-    """The scripted engine, recording the peak level of every window of every engine call."""
+    """The scripted engine, recording the peak level of every window of every engine call.
+    Its calls cost mostly per call, as on a GPU, so the scheduler batches the windows that
+    queue together (``CapacityModel.batch_size``)."""
 
     def __init__(self, fail_when: Callable[[Window], bool]) -> None:
-        super().__init__(fail_when)
+        super().__init__(fail_when, call_cost_s=0.05, window_cost_s=0.005)
         self.peaks: list[list[float]] = []
 
     def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:

@@ -158,6 +158,36 @@ def test_lanes_side_by_side_multiply_the_streams_and_share_the_hop() -> None:
     assert m.stream_hop_s(1) == pytest.approx(one_lane_hop_s[0])
 
 
+def test_the_batch_is_the_one_whose_words_are_final_soonest() -> None:
+    m = model()  # lanes planned 80% busy
+    for _ in range(3):
+        m.observe([4.0], 0.3)  # 0.1 s + 0.2 s per window
+        m.observe([4.0, 4.0], 0.5)
+    # A word waits up to a hop (its lane's round / 0.8), then one call.
+    assert m.batch_size(1) == 8  # one stream: any batch is one window
+    assert m.batch_size(2) == 1  # 0.6 / 0.8 + 0.3 = 1.05 s; together 0.5 / 0.8 + 0.5 = 1.125
+    assert m.batch_size(3) == 1  # 1.425 s; in twos 1.5, all three 1.575
+    assert m.batch_size(4) == 2  # 1.75 s; alone 1.8, all four 2.025
+    assert m.stream_hop_s(2) == pytest.approx(0.6 / 0.8)  # the hop follows the batches
+    assert m.stream_hop_s(4) == pytest.approx(1.0 / 0.8)
+    m.lanes = 2
+    assert m.batch_size(4) == 1  # two streams a lane
+
+
+def test_a_call_that_costs_the_same_for_any_batch_batches_everything() -> None:
+    m = model()  # a GPU: the call's fixed cost is all of it
+    for n in (1, 2, 4):
+        for _ in range(3):
+            m.observe([4.0] * n, 0.3)
+    assert m.batch_size(3) == 8
+    assert model().batch_size(3) == 8  # nothing measured: batching as before
+    m = model()  # each window adds a little
+    for n in (1, 2, 4):
+        for _ in range(3):
+            m.observe([4.0] * n, 0.3 + 0.02 * n)
+    assert m.batch_size(3) >= 3  # 0.36 / 0.8 + 0.36 s against 0.96 / 0.8 + 0.32 s alone
+
+
 def test_a_machine_too_slow_for_one_stream_still_serves_one() -> None:
     m = model()
     m.observe([4.0], 2.0)

@@ -153,8 +153,13 @@ async def test_a_cancelled_window_leaves_the_queue(
     assert engine.batches == [[0.5], [3.0]]  # the cancelled window was never decoded
 
 
+# Engine calls whose cost is mostly the call's: two streams' windows in one call (60 ms) come
+# back sooner than in turns (a round of 110 ms), so the scheduler batches them.
+BATCHING_COSTS = {"call_cost_s": 0.05, "window_cost_s": 0.005}
+
+
 async def test_a_window_arriving_within_the_batch_wait_joins_the_batch() -> None:
-    engine = ScriptedEngine()
+    engine = ScriptedEngine(**BATCHING_COSTS)
     # A long wait and a batch of two: the first window waits for company, the second fills
     # the batch, which then goes at once (the test does not take batch_wait_ms).
     pipeline = Pipeline(PipelineConfig(max_batch_size=2, batch_wait_ms=1000.0))
@@ -163,12 +168,34 @@ async def test_a_window_arriving_within_the_batch_wait_joins_the_batch() -> None
     pipeline.add_stream()
     pipeline.add_stream()
     try:
+        assert pipeline.capacity.batch_size(2) == 2
         [first] = await queue_jobs(pipeline, [make_job(1.0, created_at=1.0)])
         for _ in range(3):
             await asyncio.sleep(0)  # let the scheduler pick up the first window and wait
         [second] = await queue_jobs(pipeline, [make_job(2.0, created_at=2.0)])
         await asyncio.wait_for(asyncio.gather(first, second), WAIT_S)
         assert engine.batches == [[1.0, 2.0]]
+    finally:
+        await pipeline.close()
+
+
+async def test_streams_a_lane_keeps_up_with_one_by_one_are_not_batched() -> None:
+    """Calls that cost by the window, cheap enough for one lane: each window gets a call of
+    its own, and none waits for company (a window in a batch waits for the whole batch)."""
+    engine = ScriptedEngine(window_cost_s=0.01)
+    pipeline = Pipeline(PipelineConfig(max_batch_size=4, batch_wait_ms=1000.0))
+    await pipeline.start(lambda: engine)
+    for _ in range(3):
+        pipeline.add_stream()
+    try:
+        assert pipeline.capacity.batch_size(3) == 1
+        engine.batches.clear()
+        gate = await hold_worker(pipeline, engine)
+        jobs = [make_job(1.0 + i, created_at=1.0 + i, session_id=f"s{i}") for i in range(3)]
+        futures = await queue_jobs(pipeline, jobs)
+        engine.release.set()
+        await asyncio.wait_for(asyncio.gather(gate, *futures), 0.5)  # far less than the wait
+        assert engine.batches == [[0.5], [1.0], [2.0], [3.0]]
     finally:
         await pipeline.close()
 
@@ -239,7 +266,9 @@ async def test_a_decode_failure_reaches_only_the_affected_client(speech_dir: Pat
     quiet = clip * (0.5 / float(np.max(np.abs(clip))))
     loud = clip * (0.99 / float(np.max(np.abs(clip))))
     # The engine fails any batch holding a window louder than 0.9: only the loud client's.
-    engine = ScriptedEngine(fail_when=lambda w: float(np.max(np.abs(w.mel), initial=0.0)) > 0.9)
+    engine = ScriptedEngine(
+        fail_when=lambda w: float(np.max(np.abs(w.mel), initial=0.0)) > 0.9, **BATCHING_COSTS
+    )
     pipeline = Pipeline(PipelineConfig(max_batch_size=8, batch_wait_ms=5.0))
     await pipeline.start(lambda: engine)
     engine.batches.clear()  # the capacity calibration's calls
@@ -307,6 +336,42 @@ async def test_streams_whose_turns_interleave_are_gathered_into_one_batch(
     # Out of phase by 25 ms a frame apart, the streams would take turns in pairs at best.
     print("SIZES", sizes)
     assert sum(sizes) / len(sizes) >= 3.0, sizes
+
+
+async def test_a_window_that_waited_for_a_lane_is_decoded_up_to_the_newest_audio(
+    speech_dir: Path,
+) -> None:
+    """Late binding: a stream's window queued behind a busy lane is taken up to the audio that
+    arrived while it waited, not up to when it was queued."""
+    clip = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
+    frames = pcm_frames(clip[: 3 * SAMPLE_RATE_HZ])
+    engine = ScriptedEngine()
+    pipeline = Pipeline(PipelineConfig(batch_wait_ms=0.0))
+    await pipeline.start(lambda: engine)
+    engine.batches.clear()  # the capacity calibration's calls
+    try:
+        gate = await hold_worker(pipeline, engine)
+        driver = StreamDriver(Session("late"), pipeline, max_pending_messages=10_000)
+        sent = 0
+        while not pipeline.queued:
+            assert sent < len(frames), "no window was queued"
+            driver.receive_audio(frames[sent])
+            sent += 1
+            await asyncio.sleep(0.01)  # the features thread
+        [(_, _, request)] = pipeline._heap
+        queued_s = request.job.audio_s
+        for frame in frames[sent:]:
+            driver.receive_audio(frame)
+        engine.release.set()
+        await asyncio.wait_for(gate, WAIT_S)
+        driver.end()
+        assert await asyncio.wait_for(driver.outcome, WAIT_S) == DriverOutcome.DONE
+    finally:
+        await pipeline.close()
+    decoded_s = engine.batches[1][0]
+    assert queued_s < 1.0 and decoded_s == pytest.approx(queued_s + (len(frames) - sent) * 0.1)
+    words = [w for m in drain(driver) if isinstance(m, FinalMessage) for w in m.text.split()]
+    assert words == [f"w{k}" for k in range(len(words))] and len(words) >= 5, words
 
 
 async def test_a_client_that_does_not_read_overflows_its_outbox() -> None:

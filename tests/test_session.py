@@ -528,6 +528,92 @@ def test_a_crowded_server_caps_the_window(speech_dir: Path, crowded: bool) -> No
     assert cap - 1.0 < longest <= cap + 1e-6
 
 
+LONG_SPEECH_CLIP = "ljspeech/long/LJ001-0001_to_0032.concat.wav"  # minutes of reading
+
+
+def _feed_answering(
+    session: Session, engine: ScriptedEngine, pcm: bytes, *, crowded: bool = False
+) -> None:
+    """``pcm`` in 0.1 s chunks, each job answered at once."""
+    for i in range(0, len(pcm), 3_200):
+        session.receive_audio(pcm[i : i + 3_200])
+        while (job := session.next_job(crowded=crowded)) is not None:
+            session.receive_result(job, _scripted_decode(engine, job))
+
+
+def test_a_waiting_job_is_refreshed_up_to_the_newest_audio(speech_dir: Path) -> None:
+    """A job still waiting for a lane grows to the audio that came meanwhile: same job, window
+    start, prefix and draft, more audio; its result settles the session as the grown job."""
+    engine = ScriptedEngine()
+    session = Session("late")
+    pcm = pcm_s16le_bytes(load_clip(speech_dir / LONG_SPEECH_CLIP)[: 6 * SAMPLE_RATE_HZ])
+    second = 2 * SAMPLE_RATE_HZ  # bytes of 1 s
+    _feed_answering(session, engine, pcm[: 3 * second])
+    job = None
+    for i in range(3 * second, 4 * second, 3_200):
+        session.receive_audio(pcm[i : i + 3_200])
+        job = job or session.next_job()
+    assert job is not None and not job.closing
+    session.receive_audio(pcm[4 * second : 5 * second])
+
+    fresh = session.refresh_job(job)
+    assert fresh.job_id == job.job_id and fresh.start_s == job.start_s
+    assert fresh.request.prefix == job.request.prefix and fresh.request.draft == job.request.draft
+    assert fresh.request.prompt == job.request.prompt
+    assert fresh.audio_s == pytest.approx(5.0 - job.start_s, abs=1e-3)
+    assert np.array_equal(fresh.audio[: job.audio.shape[0]], job.audio)
+    assert session.refresh_job(fresh) is fresh  # nothing new since
+    assert session.refresh_job(job) is job  # not the job in flight any more
+    assert session.next_job() is None  # still one job in flight
+
+    # The result settles the job as refreshed: it heard the words up to 5 s.
+    session.receive_result(job, _scripted_decode(engine, fresh))
+    events = session.events_to_send()
+    shown = [w for e in events if isinstance(e, FinalMessage) for w in e.text.split()]
+    partial = [e for e in events if isinstance(e, PartialMessage)]
+    shown += partial[-1].text.split() if partial else []
+    heard = int(fresh.audio_s / ScriptedEngine.WORD_S)
+    assert shown and shown[-1] == f"w{heard - 1}", shown
+    assert session.lag_s == pytest.approx(0.0, abs=1e-3)
+
+
+def test_a_refreshed_job_stays_within_the_window_cap_and_closes_with_its_segment(
+    speech_dir: Path,
+) -> None:
+    engine = ScriptedEngine()
+    config = StreamingConfig()
+    clip = load_clip(speech_dir / LONG_SPEECH_CLIP)
+    session = Session("capped", streaming=config)
+    start = 9 * SAMPLE_RATE_HZ
+    _feed_answering(session, engine, pcm_s16le_bytes(clip[:start]), crowded=True)
+    session.receive_audio(pcm_s16le_bytes(clip[start : start + SAMPLE_RATE_HZ // 2]))
+    job = session.next_job(crowded=True)
+    assert job is not None
+    session.receive_audio(pcm_s16le_bytes(clip[start + SAMPLE_RATE_HZ // 2 : 13 * SAMPLE_RATE_HZ]))
+    fresh = session.refresh_job(job, crowded=True)
+    assert fresh.audio_s == pytest.approx(config.crowded_max_window_s, abs=1e-3)
+    assert not fresh.closing
+
+    # Speech that ends while its job waits: the refreshed job is the segment's closing decode.
+    session = Session("ending", streaming=config)
+    speech = load_clip(speech_dir / SPEECH_CLIP)
+    session.receive_audio(pcm_s16le_bytes(speech[:SAMPLE_RATE_HZ]))
+    job = session.next_job()
+    assert job is not None and not job.closing
+    session.receive_audio(pcm_s16le_bytes(speech[SAMPLE_RATE_HZ:]))
+    session.receive_audio(pcm_s16le_bytes(np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)))
+    ended = [e for e in session.events_to_send() if isinstance(e, SpeechEndedMessage)]
+    assert ended
+    fresh = session.refresh_job(job)
+    assert fresh.closing
+    assert fresh.start_s + fresh.audio_s == pytest.approx(ended[-1].end, abs=1e-3)
+    session.receive_result(job, _scripted_decode(engine, fresh))
+    session.receive_text('{"type": "end"}')
+    while (job := session.next_job()) is not None:
+        session.receive_result(job, _scripted_decode(engine, job))
+    assert session.done
+
+
 def test_speech_after_an_early_end_of_text_is_decoded_again(speech_dir: Path) -> None:
     engine = EarlyEndEngine()
     session = Session("early")
