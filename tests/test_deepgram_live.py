@@ -36,6 +36,7 @@ from tests.helpers import ManifestRow, ScriptedEngine, load_clip, pcm_frames, we
 WAIT_S = 120.0  # a bound for waits on the real model on a busy 2-core machine
 MAX_WER_CLIP = 0.35  # as tests/test_app.py: one short clip, streamed
 CLIP = "ljspeech/LJ001-0004.wav"
+FRAME_S = 0.1  # pcm_frames' frame length
 LONG_CLIP = "ljspeech/long/LJ001-0001_to_0032.concat.wav"
 LINEAR16 = "encoding=linear16&sample_rate=16000&channels=1"
 
@@ -76,8 +77,12 @@ async def test_the_deepgram_client_streams_speech_and_gets_interim_and_final_res
     ) as socket:
 
         async def send() -> None:
+            # At a live microphone's pace: interim results are for live audio. Sent all at
+            # once, the utterance is in before the first decode reaches a lane, and that
+            # decode (bound to the audio when the lane takes it) is already its final one.
             for frame in frames:
                 await socket.send_media(frame)
+                await asyncio.sleep(FRAME_S)
             await socket.send_keep_alive()
             await socket.send_close_stream()
 
