@@ -327,9 +327,7 @@ class Session:
             need_s = max(need_ms / 1000, min_hop_s)
             if new < need_s * SAMPLE_RATE_HZ:
                 return None
-        c = self.streaming
-        max_window_s = min(c.max_window_s, c.crowded_max_window_s) if crowded else c.max_window_s
-        max_window = int(max_window_s * SAMPLE_RATE_HZ)
+        max_window = int(self._window_cap_s(crowded) * SAMPLE_RATE_HZ)
         if end - seg.window_start > max_window:
             self._force_cut(seg, seg.window_start + max_window)
             end = seg.end if closing and seg.end is not None else self._buffer.end
@@ -361,37 +359,28 @@ class Session:
         if job is not self._in_flight or job.closing or not self._segments:
             return job
         seg = self._segments[0]
-        c = self.streaming
-        max_window_s = min(c.max_window_s, c.crowded_max_window_s) if crowded else c.max_window_s
-        cap = seg.window_start + int(max_window_s * SAMPLE_RATE_HZ)
+        cap = seg.window_start + int(self._window_cap_s(crowded) * SAMPLE_RATE_HZ)
         end = min(seg.end if seg.end is not None else self._buffer.end, cap)
         if end <= seg.decoded_to:
             return job
-        fresh = self._job(seg, end, closing=end == seg.end, job_id=job.job_id, base=job)
+        audio = self._buffer.slice(seg.window_start, end)
+        fresh = dataclasses.replace(
+            job,
+            audio=audio,
+            request=dataclasses.replace(job.request, audio_s=audio.shape[0] / SAMPLE_RATE_HZ),
+            closing=end == seg.end,
+        )
         seg.decoded_to = end
         self._in_flight = fresh
         return fresh
 
-    def _job(
-        self,
-        seg: _Segment,
-        end: int,
-        *,
-        closing: bool,
-        job_id: int,
-        base: DecodeJob | None = None,
-    ) -> DecodeJob:
-        """The decode of ``seg``'s window up to ``end``; with ``base``, that job's request
-        over the new extent (it keeps its place in the decode queue)."""
+    def _window_cap_s(self, crowded: bool) -> float:
+        c = self.streaming
+        return min(c.max_window_s, c.crowded_max_window_s) if crowded else c.max_window_s
+
+    def _job(self, seg: _Segment, end: int, *, closing: bool, job_id: int) -> DecodeJob:
+        """The decode of ``seg``'s window up to ``end``."""
         audio = self._buffer.slice(seg.window_start, end)
-        audio_s = audio.shape[0] / SAMPLE_RATE_HZ
-        if base is not None:
-            return dataclasses.replace(
-                base,
-                audio=audio,
-                request=dataclasses.replace(base.request, audio_s=audio_s),
-                closing=closing,
-            )
         detector = self._detecting
         if seg.language is not None or detector is None:
             options = DecodeOptions(language=seg.language, task=self.streaming.task)
@@ -405,7 +394,7 @@ class Session:
             audio=audio,
             start_s=seg.window_start / SAMPLE_RATE_HZ,
             request=DecodeRequest(
-                audio_s=audio_s,
+                audio_s=audio.shape[0] / SAMPLE_RATE_HZ,
                 options=options,
                 prompt=tuple(self._prompt[-self.streaming.prompt_max_tokens :])
                 if self._prompt_ok
