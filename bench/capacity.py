@@ -75,6 +75,9 @@ class SweepConfig:
     peer: bool = True
     output_name: str = "capacity"  # bench/results/{output_name}.json and .png
     decode_lanes: int | None = None  # our server's --decode-lanes; None: its default (auto)
+    # Ours: stream each of the largest N's streams alone too, so that every N's WER is held
+    # against the same recordings streamed alone (#13's "within 1 point" target).
+    alone: bool = True
 
     def __post_init__(self) -> None:
         if not self.counts or min(self.counts) < 1:
@@ -394,6 +397,7 @@ async def run_count(
         "wer": round(wer([s.transcript for s, _, _ in kept], [r.text for _, _, r in kept]), 4)
         if kept
         else None,
+        "texts": {s.name: r.text for s, _, r in kept},
         # The offline transcription of the same audio: the WER streaming is held against.
         "offline_wer": round(wer([s.transcript for s in used], [s.offline_text for s in used]), 4),
         "failed": len(failed),
@@ -457,9 +461,46 @@ async def sweep_server(
             entry = await run_count(who, server, streams, n)
             out["runs"].append(entry)
             logger.info("%s with %d client(s): %s", who.name, n, json.dumps(entry))
+        if config.alone and who.peer is None:
+            out["alone"] = await stream_alone(who, server, streams[: max(config.counts)], out)
+            for entry in out["runs"]:
+                entry |= against_alone(entry, streams, out["alone"])
     sustained = [r["clients"] for r in out["runs"] if r["sustained"]]
     out["max_streams_p95_final_le_2s"] = max(sustained, default=0)
     return out
+
+
+async def stream_alone(
+    who: Contender, server: ServerProcess, streams: Sequence[Stream], out: dict[str, Any]
+) -> dict[str, str]:
+    """Each stream's transcript streamed with no other client (the N = 1 run's where it has
+    one, else a run of its own)."""
+    texts: dict[str, str] = {}
+    for entry in out["runs"]:
+        if entry["clients"] == 1:
+            texts |= entry["texts"]
+    for stream in streams:
+        if stream.name not in texts:
+            entry = await run_count(who, server, [stream], 1)
+            logger.info("%s alone: %s", stream.name, json.dumps(entry))
+            texts |= entry["texts"]
+    return texts
+
+
+def against_alone(
+    entry: dict[str, Any], streams: Sequence[Stream], alone: dict[str, str]
+) -> dict[str, Any]:
+    """The run's WER over its streams beside the same streams' WER alone, in points."""
+    together = [s for s in streams if s.name in entry["texts"] and s.name in alone]
+    if not together:
+        return {"wer_alone": None, "wer_vs_alone_points": None}
+    references = [s.transcript for s in together]
+    run = wer(references, [entry["texts"][s.name] for s in together])
+    by_itself = wer(references, [alone[s.name] for s in together])
+    return {
+        "wer_alone": round(by_itself, 4),
+        "wer_vs_alone_points": round(100 * (run - by_itself), 2),
+    }
 
 
 # --- report --------------------------------------------------------------------------------
@@ -518,7 +559,8 @@ def plot(results: dict[str, Any], path: Path) -> Path:
 def table(results: dict[str, Any]) -> str:
     lines = [
         f"{'server':6} {'N':>3} {'final p50':>9} {'p95':>7} {'lag':>6} {'ttft p50':>8} "
-        f"{'wer':>6} {'busy':>5} {'batch':>5} {'est':>4} {'cpu%':>5} {'rss MB':>7} {'refused':>7}"
+        f"{'wer':>6} {'alone':>6} {'busy':>5} {'batch':>5} {'est':>4} {'cpu%':>5} {'rss MB':>7} "
+        f"{'refused':>7}"
     ]
 
     def cell(v: Any, scale: float = 1.0, digits: int = 2) -> str:
@@ -533,6 +575,7 @@ def table(results: dict[str, Any]) -> str:
                 f"{who:6} {r['clients']:>3} {cell(final['p50_ms'], 1e-3):>9} "
                 f"{cell(final['p95_ms'], 1e-3):>7} {cell(lag):>6} "
                 f"{cell(r['ttft']['p50_ms'], 1e-3):>8} {cell(r['wer'], 1, 3):>6} "
+                f"{cell(r.get('wer_alone'), 1, 3):>6} "
                 f"{cell(r.get('decode_busy')):>5} {cell(r.get('mean_batch')):>5} "
                 f"{r.get('capacity_estimate_after', '-')!s:>4} "
                 f"{cell(r['cpu_percent_mean'], 1, 0):>5} {cell(r['rss_mb_max'], 1, 0):>7} "
@@ -573,6 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="speech per client")
     parser.add_argument("--no-peer", action="store_true", help="measure our server only")
     parser.add_argument(
+        "--no-alone", action="store_true", help="skip streaming each stream alone (ours)"
+    )
+    parser.add_argument(
         "--decode-lanes", type=int, default=None, help="our server's lanes (default: its auto)"
     )
     parser.add_argument(
@@ -584,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         counts=tuple(int(x) for x in args.clients.split(",")),
         seconds=args.seconds,
         peer=not args.no_peer,
+        alone=not args.no_alone,
         output_name=args.output,
         decode_lanes=args.decode_lanes,
     )
@@ -604,6 +651,14 @@ def main(argv: list[str] | None = None) -> int:
             "max_streams_p95_final_le_2s"
         ),
         "capacity_estimate_at_start": servers["ours"].get("capacity_estimate_at_start"),
+        "largest_wer_vs_alone_points": max(
+            (
+                r["wer_vs_alone_points"]
+                for r in servers["ours"]["runs"]
+                if r.get("wer_vs_alone_points") is not None
+            ),
+            default=None,
+        ),
         "window_2s_ms_p50": results["window_2s_ms_p50"],
     }
     print(json.dumps(headline))
