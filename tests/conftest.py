@@ -5,14 +5,14 @@ Helpers that are not fixtures live in ``tests/helpers.py``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import pytest_asyncio
 
-from tests.helpers import ManifestRow, find_speech_dir, read_manifest
+from tests.helpers import ManifestRow, find_speech_dir, load_clip, read_manifest
 
 if TYPE_CHECKING:
     from server.engine.engine import Engine
@@ -42,6 +42,22 @@ def engine() -> Iterator[Engine]:
     eng = Engine.load(EngineConfig())
     eng.warmup()
     yield eng
+
+
+@pytest.fixture(scope="session")
+def offline_text(engine: Engine) -> Callable[[Path], str]:
+    """The default model's offline transcript of a recording, decoded once per session: several
+    accuracy tests hold their streams against the same recordings (LJ long is 221 s)."""
+    from server.engine.offline import transcribe_audio
+
+    texts: dict[Path, str] = {}
+
+    def text(path: Path) -> str:
+        if path not in texts:
+            texts[path] = transcribe_audio(engine, load_clip(path)).text
+        return texts[path]
+
+    return text
 
 
 @pytest.fixture(scope="session")

@@ -131,25 +131,45 @@ class Shown:
             self.finals = join_text(self.finals, " ".join(message.text.split()))
 
     def matches(self, rows: list[str]) -> bool:
-        """The rows hold the finals' words, then the partial's (its tail after "…" when it
-        was cut to fit), and nothing else: no stale or repeated fragment."""
+        """The rows hold the finals' words, then the partial's, and nothing else: no stale or
+        repeated fragment. A partial too long for the live region shows the words that fit
+        after the finals, then "…" and its newest words (the first of them maybe cut)."""
         words = " ".join(rows).split()
         finals = self.finals.split()
         if words[: len(finals)] != finals:
             return False
         rest, partial = words[len(finals) :], self.partial.split()
-        if rest and rest[0].startswith("…"):
-            cut = [rest[0][1:], *rest[1:]] if len(rest[0]) > 1 else rest[1:]
-            return (
-                (
-                    len(cut) <= len(partial)
-                    and cut[1:] == partial[len(partial) - len(cut) + 1 :]
-                    and partial[len(partial) - len(cut)].endswith(cut[0])
-                )
-                if cut
-                else True
-            )
-        return rest == partial
+        cut_at = next((k for k, word in enumerate(rest) if word.startswith("…")), None)
+        if cut_at is None:
+            return rest == partial
+        head = rest[:cut_at]
+        tail = (
+            [rest[cut_at][1:], *rest[cut_at + 1 :]] if len(rest[cut_at]) > 1 else rest[cut_at + 1 :]
+        )
+        if head != partial[: len(head)]:
+            return False
+        if not tail:
+            return True
+        start = len(partial) - len(tail)
+        return (
+            start >= len(head)
+            and tail[1:] == partial[start + 1 :]
+            and partial[start].endswith(tail[0])
+        )
+
+
+def test_the_screen_model_takes_a_partial_cut_after_its_first_words() -> None:
+    """Seen in a real run: a partial two rows long after a line ended shows its first words,
+    then "…" and its newest ones. The model must take that, and still refuse stale words."""
+    shown = Shown()
+    shown.update(_final(0, "And so my fellow Americans.", 0.0, 2.0, 2.2))
+    text = "Ask what your country can do for you. Ask what your country can do for you"
+    shown.update(PartialMessage(1, text, 2.0, 5.0, 5.1))
+    screen = ["And so my fellow Americans.", "Ask what your country can do"]
+    assert shown.matches([*screen, "… your country can do for you"])
+    assert shown.matches([*screen, "…ountry can do for you"])  # the first tail word cut
+    assert not shown.matches([*screen, "… your country can do for me"])
+    assert not shown.matches([*screen[:1], "Ask not what your", "… can do for you"])
 
 
 # --------------------------------------------------------------------------- pure helpers

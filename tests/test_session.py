@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from itertools import pairwise
 from pathlib import Path
@@ -25,7 +25,6 @@ from bench.accuracy import modelled_cost_s
 from bench.simulate import SimulationResult, simulate
 from server.audio import pcm_s16le_bytes
 from server.config import StreamingConfig
-from server.engine.offline import transcribe_audio
 from server.engine_api import DecodeResult, Window, WordTiming
 from server.errors import (
     AudioFormatError,
@@ -95,13 +94,13 @@ def _doubled_at_boundaries(result: SimulationResult, offline: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("index", [0, 1])
 def test_long_recordings_stream_as_well_as_offline(
-    engine: Engine, speech_dir: Path, index: int
+    engine: Engine, offline_text: Callable[[Path], str], speech_dir: Path, index: int
 ) -> None:
     files = _long_english(speech_dir)
     if index >= len(files):
         pytest.skip("fewer English long recordings than expected")
     audio = load_clip(speech_dir / files[index])
-    offline = transcribe_audio(engine, audio).text
+    offline = offline_text(speech_dir / files[index])
     result = simulate(engine, audio, decode_cost_s=modelled_decode_cost_s)
     streamed = result.text
     offline_vs_stream = wer(offline, streamed)
@@ -124,7 +123,9 @@ def test_long_recordings_stream_as_well_as_offline(
 
 
 @pytest.mark.slow
-def test_a_recording_sent_all_at_once_loses_no_window(engine: Engine, speech_dir: Path) -> None:
+def test_a_recording_sent_all_at_once_loses_no_window(
+    engine: Engine, offline_text: Callable[[Path], str], speech_dir: Path
+) -> None:
     """All 222 s of LJ long arrive before the first decode (``--pace 0``, or a stream far
     behind): every window is cut at its cap. Two faults skipped whole 15 s windows while
     ``done`` counted them transcribed: a cut behind the carried prefix when nothing new was
@@ -134,7 +135,7 @@ def test_a_recording_sent_all_at_once_loses_no_window(engine: Engine, speech_dir
     result = simulate(engine, audio, decode_cost_s=lambda job: 1000.0)
     gaps = [(a.end, b.start) for a, b in pairwise(result.finals) if b.start - a.end > 3.0]
     assert gaps == [], "continuous speech, so no final follows the one before by 3 s"
-    offline = transcribe_audio(engine, audio).text
+    offline = offline_text(speech_dir / name)
     assert wer(offline, result.text) <= 0.1, result.text
     _assert_finals_are_append_only(result)
 
@@ -199,6 +200,7 @@ ACCURACY_MARGIN_POINTS = 1.0
 
 def _assert_streams_as_accurately_as_offline(
     engine: Engine,
+    offline_text: Callable[[Path], str],
     speech_dir: Path,
     manifest: list[ManifestRow],
     clips: Sequence[str],
@@ -212,7 +214,7 @@ def _assert_streams_as_accurately_as_offline(
         audio = load_clip(speech_dir / name)
         result = simulate(engine, audio, streaming=streaming, decode_cost_s=modelled_cost_s)
         streamed.append(result.text)
-        offline.append(transcribe_audio(engine, audio).text)
+        offline.append(offline_text(speech_dir / name))
     references = [refs[name] for name in clips]
     streamed_wer, offline_wer = wer(references, streamed), wer(references, offline)
     assert streamed_wer <= offline_wer + ACCURACY_MARGIN_POINTS / 100, (
@@ -222,9 +224,14 @@ def _assert_streams_as_accurately_as_offline(
 
 
 def test_short_clips_stream_as_accurately_as_offline(
-    engine: Engine, speech_dir: Path, manifest: list[ManifestRow]
+    engine: Engine,
+    offline_text: Callable[[Path], str],
+    speech_dir: Path,
+    manifest: list[ManifestRow],
 ) -> None:
-    _assert_streams_as_accurately_as_offline(engine, speech_dir, manifest, ACCURACY_CLIPS)
+    _assert_streams_as_accurately_as_offline(
+        engine, offline_text, speech_dir, manifest, ACCURACY_CLIPS
+    )
 
 
 # Long sentences with no pause to cut in: at a 4 s window every cut lands inside speech.
@@ -232,16 +239,23 @@ CUT_CLIPS = [f"ljspeech/LJ001-00{n}.wav" for n in ("01", "03", "14", "27")]
 
 
 def test_cuts_inside_speech_lose_no_words(
-    engine: Engine, speech_dir: Path, manifest: list[ManifestRow]
+    engine: Engine,
+    offline_text: Callable[[Path], str],
+    speech_dir: Path,
+    manifest: list[ManifestRow],
 ) -> None:
     """Measured when this was written: streamed 4 errors, offline 5; cutting at the last
     word's end (``cut_carry_words=0``) gave 17, 15 of them words lost at the cuts."""
     config = StreamingConfig(max_window_s=4.0, clause_cut_s=4.0)
-    _assert_streams_as_accurately_as_offline(engine, speech_dir, manifest, CUT_CLIPS, config)
+    _assert_streams_as_accurately_as_offline(
+        engine, offline_text, speech_dir, manifest, CUT_CLIPS, config
+    )
 
 
 @pytest.mark.parametrize("kind", ["silence", "noise"])
-def test_no_words_after_the_last_speech(engine: Engine, speech_dir: Path, kind: str) -> None:
+def test_no_words_after_the_last_speech(
+    engine: Engine, offline_text: Callable[[Path], str], speech_dir: Path, kind: str
+) -> None:
     clip = load_clip(speech_dir / "ljspeech" / "LJ001-0010.wav")
     rng = np.random.default_rng(3)
     n = SAMPLE_RATE_HZ * 3
@@ -265,7 +279,8 @@ def test_no_words_after_the_last_speech(engine: Engine, speech_dir: Path, kind: 
     )
     # Offline reads this clip without a mistake; the stream once added "and the first one
     # is the first one." after its last word, all of it placed at the window's last frame.
-    assert wer(reference, result.text) <= wer(reference, transcribe_audio(engine, clip).text)
+    offline = offline_text(speech_dir / "ljspeech" / "LJ001-0010.wav")
+    assert wer(reference, result.text) <= wer(reference, offline)
 
 
 def _session(engine: Engine, **streaming: object) -> Session:
