@@ -1,29 +1,40 @@
-"""Streamed finals beside offline decoding, clip by clip: the accuracy harness of the commit
-policy.
+"""Streamed finals beside offline decoding, clip by clip and by difficulty: the accuracy
+harness of the commit policy.
 
     python -m bench.accuracy                 # or: make bench-accuracy
-    python -m bench.accuracy --limit 10 --no-long --set commit.min_right_context_s=1.2
+    python -m bench.accuracy --limit 10 --no-long --no-beam --set commit.min_right_context_s=1.2
 
 Every English clip of ``manifest.tsv`` is streamed as its own session (and, unless
 ``--no-long``, each English long recording of ``manifest_long.tsv``) through ``Session`` in
 simulated real time: audio arrives at 1x and each decode's measured wall time is charged to
 the clock (``bench/simulate.py``), which is what a one-stream server sees. The same clip is
-decoded offline with ``transcribe_audio`` (30 s windows). Per clip and pooled, per set:
+decoded offline with ``transcribe_audio`` (30 s windows) twice: greedy, and with beam search
+of 5 (``--no-beam`` skips it: it costs about as much again). Per clip and pooled:
 
-- streamed WER, offline WER and their difference (the figure that matters);
+- WER of the stream, offline greedy, offline beam 5 (and the real server's with
+  ``--server``), and the stream's errors minus each offline reference's (the figure that
+  matters);
+- where the streamed errors sit (``bench.accuracy_metrics.locate_errors``): within 2 s of
+  their utterance's onset, in the middle, on an utterance's last reference word, or inserted
+  after the clip's last reference word; each error itself is listed with its time;
 - insertions at the end of the stream (words after the last reference word);
 - final latency p50/p95: arrival of a final minus the stream time of its last word;
 - first-partial latency: speech onset to the first partial or final with a word;
 - flicker: words shown in a partial and later changed, over words shown.
 
+Pooled by difficulty -- ``test_other`` (LibriSpeech test-other's short clips) and
+``test_other_long`` (its long recordings) against ``clean`` and ``clean_long`` (every other
+folder) -- by source folder of the short clips, and by set (short, long).
+
 ``--server`` also streams every short clip as its own session at 1x through a real server
-subprocess over WebSocket and reports that WER beside the simulated one, clip by clip: the
-check that the simulation stands for the server.
+subprocess over WebSocket and reports that WER beside the simulated one, per clip and pooled:
+the check that the simulation stands for the server.
 
 ``--set section.field=value`` overrides a field of ``StreamingConfig`` (``streaming.``) or of
 the commit policy's config (``commit.``), so the trade-off table is one loop over flags.
-Writes ``bench/results/accuracy.json`` (``--out NAME`` for another name); the last line printed
-is one JSON object with the headline figures.
+Writes ``bench/results/accuracy.json`` (``--out NAME`` for another name) and prints a table by
+difficulty and one by source; the last line printed is one JSON object with the headline
+figures per difficulty, test-other first.
 """
 
 from __future__ import annotations
@@ -38,59 +49,38 @@ import time
 from pathlib import Path
 from typing import Any
 
-import jiwer
-
-from bench.engine import RESULTS, load_speech, speech_dir, write_results
+from bench.accuracy_metrics import (
+    LOCATIONS,
+    OFFLINE,
+    by_difficulty,
+    by_source,
+    count_errors,
+    headline,
+    locate_errors,
+    location_counts,
+    pooled,
+    table,
+)
+from bench.engine import RESULTS, Float32Array, load_speech, speech_dir, write_results
 from bench.replay import WhisperwireAdapter, replay
 from bench.server_process import ServerProcess, free_port, http_ok
 from bench.simulate import simulate
 from server.config import StreamingConfig
 from server.engine.engine import Engine, EngineConfig
 from server.engine.offline import transcribe_audio
+from server.engine_api import DecodeOptions
+from server.messages import SpeechStartedMessage
 from server.policy import CommitConfig
 from server.session import DecodeJob
-from tests.helpers import normalize, read_manifest
+from tests.helpers import read_manifest
 
-
-@dataclasses.dataclass(frozen=True)
-class Counts:
-    """Word errors against one reference (after Whisper's English normaliser)."""
-
-    ref_words: int
-    substitutions: int
-    deletions: int
-    insertions: int
-    trailing_insertions: int  # hypothesis words after the last reference word
-
-    @property
-    def errors(self) -> int:
-        return self.substitutions + self.deletions + self.insertions
-
-    @property
-    def wer(self) -> float:
-        return self.errors / self.ref_words if self.ref_words else 0.0
-
-
-def count_errors(reference: str, hypothesis: str) -> Counts:
-    ref, hyp = normalize(reference), normalize(hypothesis)
-    if not ref:
-        return Counts(0, 0, 0, len(hyp.split()), len(hyp.split()))
-    out = jiwer.process_words(ref, hyp if hyp else "")
-    trailing = 0
-    n_ref = len(ref.split())
-    for chunk in out.alignments[0]:
-        if chunk.type == "insert" and chunk.ref_start_idx >= n_ref:
-            trailing += chunk.hyp_end_idx - chunk.hyp_start_idx
-    return Counts(
-        n_ref, out.substitutions, out.deletions, out.insertions, trailing_insertions=trailing
-    )
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+# The offline references by name: None is transcribe_audio's own default (greedy, as the
+# harness has always decoded); beam5 is OpenAI Whisper's default beam search.
+OFFLINE_OPTIONS: dict[str, DecodeOptions | None] = {
+    "greedy": None,
+    "beam5": DecodeOptions(word_timestamps=False, beam_size=5),
+}
+OfflineCache = dict[str, dict[str, str]]  # reference name -> clip file -> transcript
 
 
 def _overrides(pairs: list[str]) -> tuple[StreamingConfig, CommitConfig]:
@@ -107,42 +97,22 @@ def _overrides(pairs: list[str]) -> tuple[StreamingConfig, CommitConfig]:
     return StreamingConfig(commit=base_commit, **streaming), base_commit
 
 
-def _pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    ref = sum(r["ref_words"] for r in rows)
-    streamed = sum(r["errors_streamed"] for r in rows)
-    offline = sum(r["errors_offline"] for r in rows)
-    finals = [x for r in rows for x in r["final_latencies_s"]]
-    firsts = [r["first_partial_s"] for r in rows if r["first_partial_s"] is not None]
-    shown = sum(r["flicker_shown"] for r in rows)
-    return {
-        "clips": len(rows),
-        "ref_words": ref,
-        "wer_streamed": round(streamed / ref, 4) if ref else None,
-        "wer_offline": round(offline / ref, 4) if ref else None,
-        "wer_difference_points": round(100 * (streamed - offline) / ref, 2) if ref else None,
-        "clips_worse": sum(r["errors_streamed"] > r["errors_offline"] for r in rows),
-        "clips_better": sum(r["errors_streamed"] < r["errors_offline"] for r in rows),
-        "trailing_insertions_streamed": sum(r["trailing_insertions_streamed"] for r in rows),
-        "trailing_insertions_offline": sum(r["trailing_insertions_offline"] for r in rows),
-        "final_latency_p50_s": _percentile(finals, 0.5),
-        "final_latency_p95_s": _percentile(finals, 0.95),
-        "first_partial_p50_s": _percentile(firsts, 0.5),
-        "first_partial_p95_s": _percentile(firsts, 0.95),
-        "flicker": round(sum(r["flicker_changed"] for r in rows) / shown, 4) if shown else 0.0,
-        "decodes_per_audio_s": round(
-            sum(r["decodes"] for r in rows) / sum(r["audio_s"] for r in rows), 3
-        ),
-        "decode_busy": round(
-            sum(r["decode_s_total"] for r in rows) / sum(r["audio_s"] for r in rows), 3
-        ),
-    }
-
-
 def modelled_cost_s(job: DecodeJob) -> float:
     """A decode's cost as a fixed part plus one growing with the window (about what
     bench-decoder measured for tiny.en on these CPUs): window positions, and so the text, are
     then the same on every run, whatever else the machine is doing."""
     return 0.1 + 0.05 * job.audio_s
+
+
+def offline_text(
+    engine: Engine, audio: Float32Array, file: str, reference: str, cache: OfflineCache
+) -> str:
+    """The offline ``reference`` ("greedy", "beam5") transcript of a clip, from ``cache`` when
+    it has one (offline text depends on the engine only, not on ``--set``)."""
+    known = cache.setdefault(reference, {})
+    if file not in known:
+        known[file] = transcribe_audio(engine, audio, OFFLINE_OPTIONS[reference]).text
+    return known[file]
 
 
 def run_clip(
@@ -152,38 +122,86 @@ def run_clip(
     streaming: StreamingConfig,
     *,
     modelled: bool = False,
-    offline_cache: dict[str, str] | None = None,
+    offline_cache: OfflineCache | None = None,
+    references: tuple[str, ...] = OFFLINE,
 ) -> dict[str, Any]:
+    """One clip streamed and decoded offline with each of ``references``: errors and WER of
+    each, streamed minus each offline reference, where the streamed errors sit, latency."""
     audio = load_speech(file)
     cache = offline_cache if offline_cache is not None else {}
-    if file not in cache:
-        cache[file] = transcribe_audio(engine, audio).text
-    offline = cache[file]
+    texts = {name: offline_text(engine, audio, file, name, cache) for name in references}
     result = simulate(
         engine, audio, streaming=streaming, decode_cost_s=modelled_cost_s if modelled else None
     )
     s = count_errors(transcript, result.text)
-    o = count_errors(transcript, offline)
+    words = [w for f in result.finals for w in f.words]
+    onsets = [e.message.start for e in result.events if isinstance(e.message, SpeechStartedMessage)]
+    located = locate_errors(transcript, result.text, words, onsets)
     changed, shown = result.flicker()
-    return {
+    row: dict[str, Any] = {
         "file": file,
         "audio_s": round(result.audio_s, 2),
         "ref_words": s.ref_words,
         "errors_streamed": s.errors,
-        "errors_offline": o.errors,
         "wer_streamed": round(s.wer, 4),
-        "wer_offline": round(o.wer, 4),
         "trailing_insertions_streamed": s.trailing_insertions,
-        "trailing_insertions_offline": o.trailing_insertions,
+    }
+    for name in OFFLINE:
+        o = count_errors(transcript, texts[name]) if name in texts else None
+        row[f"errors_{name}"] = None if o is None else o.errors
+        row[f"wer_{name}"] = None if o is None else round(o.wer, 4)
+        row[f"errors_minus_{name}"] = None if o is None else s.errors - o.errors
+        row[f"trailing_insertions_{name}"] = None if o is None else o.trailing_insertions
+    return row | {
+        "error_locations": location_counts(located),
         "final_latencies_s": [round(x, 3) for x in result.final_latencies_s()],
         "first_partial_s": result.first_partial_latency_s(),
         "flicker_changed": changed,
         "flicker_shown": shown,
         "decodes": len(result.decode_s),
         "decode_s_total": round(sum(result.decode_s), 3),
-        "streamed": result.text,
-        "offline": offline,
+        "text_streamed": result.text,
+        **{f"text_{name}": texts.get(name) for name in OFFLINE},
+        "streamed_errors": [
+            {
+                k: round(v, 3) if isinstance(v, float) else v
+                for k, v in dataclasses.asdict(e).items()
+            }
+            for e in located
+        ],
     }
+
+
+def read_offline_cache(path: Path | None) -> OfflineCache:
+    """``--offline-cache``'s transcripts by reference name; an old flat file (clip ->
+    transcript, from before beam search) holds greedy ones."""
+    if path is None or not path.is_file():
+        return {}
+    data: dict[str, Any] = json.loads(path.read_text())
+    if all(isinstance(v, str) for v in data.values()):
+        return {"greedy": data}
+    return {name: dict(v) for name, v in data.items() if isinstance(v, dict)}
+
+
+def _clip_line(clip: dict[str, Any]) -> str:
+    def wer(name: str) -> str:
+        value = clip[f"wer_{name}"]
+        return f"{value:7.3f}" if value is not None else "      -"
+
+    def diff(name: str) -> str:
+        value = clip[f"errors_minus_{name}"]
+        return f"{value:+4d}" if value is not None else "   -"
+
+    where = " ".join(f"{clip['error_locations'][k]:3d}" for k in LOCATIONS)
+    return (
+        f"{wer('streamed')} {wer('greedy')} {wer('beam5')} {diff('greedy')} {diff('beam5')}"
+        f"  {where}  {clip['file']}"
+    )
+
+
+CLIP_HEADER = (
+    "streamed  greedy   beam5  -grd -bm5  " + " ".join(k[:3] for k in LOCATIONS) + "  file"
+)
 
 
 async def stream_through_server(clips: list[tuple[str, str]]) -> dict[str, str]:
@@ -223,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         "beside the simulation's (the check that the two agree)",
     )
     parser.add_argument(
+        "--no-beam",
+        action="store_true",
+        help="skip the offline beam-5 reference (it costs about as much as the rest)",
+    )
+    parser.add_argument(
         "--offline-cache",
         type=Path,
         help="JSON file keeping offline transcripts between runs (they do not depend on --set)",
@@ -240,14 +263,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_long
         else [r for r in read_manifest(folder / "manifest_long.tsv") if r.language == "en"]
     )
-    cache: dict[str, str] = {}
-    if args.offline_cache and args.offline_cache.is_file():
-        cache = json.loads(args.offline_cache.read_text())
+    cache = read_offline_cache(args.offline_cache)
+    references = ("greedy",) if args.no_beam else OFFLINE
     engine = Engine.load(EngineConfig())
     engine.warmup()
     load_start = os.getloadavg()
     started = time.perf_counter()
     sets: dict[str, list[dict[str, Any]]] = {"short": [], "long": []}
+    print(CLIP_HEADER, flush=True)
     for name, rows in (("short", short), ("long", long)):
         for row in rows:
             clip = run_clip(
@@ -257,40 +280,33 @@ def main(argv: list[str] | None = None) -> int:
                 streaming,
                 modelled=args.modelled_cost,
                 offline_cache=cache,
+                references=references,
             )
             sets[name].append(clip)
-            print(
-                f"{clip['wer_streamed']:7.3f} {clip['wer_offline']:7.3f} "
-                f"{clip['errors_streamed'] - clip['errors_offline']:+4d}  {row.file}",
-                flush=True,
-            )
+            print(_clip_line(clip), flush=True)
     if args.offline_cache:
         args.offline_cache.write_text(json.dumps(cache, indent=1))
     if args.server:
         served = asyncio.run(stream_through_server([(r.file, r.transcript) for r in short]))
         for clip, row in zip(sets["short"], short, strict=True):
             counts = count_errors(row.transcript, served[row.file])
-            clip["served"] = served[row.file]
             clip["errors_served"] = counts.errors
+            clip["wer_served"] = round(counts.wer, 4)
+            clip["text_served"] = served[row.file]
             print(
                 f"served {counts.wer:7.3f} simulated {clip['wer_streamed']:7.3f}  {row.file}",
                 flush=True,
             )
-    summary = {name: _pooled(rows) for name, rows in sets.items() if rows}
-    if args.server and short:
-        ref = summary["short"]["ref_words"]
-        served_errors = sum(c["errors_served"] for c in sets["short"])
-        summary["short"]["wer_served"] = round(served_errors / ref, 4)
-        summary["short"]["clips_served_differs"] = sum(
-            c["errors_served"] != c["errors_streamed"] for c in sets["short"]
-        )
-    by_source: dict[str, list[dict[str, Any]]] = {}
-    for clip in sets["short"]:
-        by_source.setdefault(clip["file"].split("/")[0], []).append(clip)
+    difficulty = {name: pooled(rows) for name, rows in by_difficulty(sets).items()}
+    sources = {name: pooled(rows) for name, rows in by_source(sets["short"]).items()}
+    lead = headline(difficulty)
     data = {
-        "summary": summary,
-        "by_source": {k: _pooled(v) for k, v in sorted(by_source.items())},
+        "headline": lead,
+        "by_difficulty": difficulty,
+        "by_source": sources,
+        "summary": {name: pooled(rows) for name, rows in sets.items() if rows},
         "clips": sets,
+        "offline_references": list(references),
         "streaming": dataclasses.asdict(streaming),
         "commit": dataclasses.asdict(commit),
         "engine": dataclasses.asdict(engine.config),
@@ -300,10 +316,12 @@ def main(argv: list[str] | None = None) -> int:
         "decode_cost": "modelled" if args.modelled_cost else "measured",
     }
     path = write_results(args.out, data)
-    for name, figures in summary.items():
-        print(name, json.dumps(figures))
+    print()
+    print(table("difficulty", difficulty))
+    print()
+    print(table("source (short clips)", sources))
     print(f"wrote {path}")
-    print(json.dumps({k: v for k, v in summary.items()} | {"overrides": args.set}))
+    print(json.dumps(lead | {"overrides": args.set}))
     return 0
 
 

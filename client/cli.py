@@ -8,7 +8,7 @@ a file in-process.
     whisperwire listen [--url URL] [--format ...] [--token KEY] [--language ...] [--stats]
                        [--retries 5]
     whisperwire transcribe FILE [--model tiny.en] [--language en] [--task transcribe]
-                                [--format text|srt|vtt]
+                                [--format text|srt|vtt] [--beam-size 5] [--no-fallback]
 
 On a terminal, ``live`` captions flow: finals fill the line at the terminal's width, the
 partial is redrawn after them, and a line ends with its utterance (``client.render``).
@@ -184,6 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="text",
         help="the transcript as one line, or srt or vtt subtitles (default: %(default)s)",
     )
+    transcribe.add_argument(
+        "--beam-size",
+        type=int,
+        default=5,
+        help="beam search width; 1 decodes greedily (default: %(default)s)",
+    )
+    transcribe.add_argument(
+        "--no-fallback",
+        action="store_true",
+        help="decode each window once, at temperature 0 (default: a window that loops or whose "
+        "log-probability is low is decoded again by sampling at rising temperatures)",
+    )
     transcribe.set_defaults(run=_run_transcribe_command)
     return parser
 
@@ -333,7 +345,7 @@ async def _stream_async(
 def _run_transcribe_command(args: argparse.Namespace) -> int:
     # Imported here: the engine pulls in MLX, which streaming from a server does not need.
     try:
-        from server.engine.offline import transcribe_file
+        from server.engine.offline import FALLBACK_TEMPERATURES, transcribe_file
     except ImportError as exc:
         _fail(f"error: the in-process engine is not available: {exc}")
         return EXIT_FAILED
@@ -346,6 +358,8 @@ def _run_transcribe_command(args: argparse.Namespace) -> int:
             language=language,
             task=args.task,
             word_timestamps=subtitles,
+            beam_size=args.beam_size,
+            temperatures=(0.0,) if args.no_fallback else FALLBACK_TEMPERATURES,
         )
     except (FileNotFoundError, ValueError, ModelError) as exc:
         _fail(f"error: {exc}")

@@ -79,6 +79,10 @@ class StreamingConfig:
     # 2 words 33, 3 words 37; sonnets 48, 47, 46, -.
     cut_carry_words: int = 2
     prompt_max_tokens: int = 64  # committed text fed back as context, most recent first
+    # Beam width of a window's closing decode (end of speech, flush, end), which commits all
+    # that is left of it; 1: greedy. Not while streams outnumber decode lanes (``crowded``):
+    # there the closing decode stays greedy so that capacity holds.
+    closing_beam_size: int = 5
     # One binary audio frame; larger gets an error and 1009. The server's WebSocket frame
     # limit is derived from it, so this is the only place the limit is set.
     max_frame_bytes: int = 1 << 20
@@ -108,6 +112,8 @@ class StreamingConfig:
             raise ValueError(f"cut_carry_words must be in [0, 8]; got {self.cut_carry_words}")
         if self.max_frame_bytes <= 0:
             raise ValueError("max_frame_bytes must be > 0")
+        if not 1 <= self.closing_beam_size <= 16:
+            raise ValueError(f"closing_beam_size must be in [1, 16]; got {self.closing_beam_size}")
 
 
 MAX_DECODE_LANES = 64  # each lane holds a copy of the model

@@ -73,6 +73,17 @@ class DecodeOptions:
     repetition_phrase_tokens: int = 6  # n-grams this long cut the decode at their 2nd copy
     repetition_phrase_words: int = 3  # a window ending in the same words twice loses a copy
     suppress_blank: bool = True  # no space or end-of-text as the first sampled token
+    # Beam search (OpenAI Whisper's rules): 1 is greedy decoding. A search keeps ``beam_size``
+    # hypotheses and ends once ``round(beam_size * patience)`` have finished; they are ranked
+    # by log-probability over length, or over ((5 + length) / 6) ** ``length_penalty``.
+    beam_size: int = 1
+    patience: float = 1.0
+    length_penalty: float | None = None
+    # Above 0, tokens are sampled from softmax(logits / temperature), ``best_of`` times, and
+    # the best-ranked sample kept (Whisper's temperature fallback); ``seed`` makes it repeatable.
+    temperature: float = 0.0
+    best_of: int = 5
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -83,6 +94,21 @@ class DecodeOptions:
             raise ValueError("repetition_min_repeats must be >= 2")
         if self.repetition_phrase_tokens < 2 or self.repetition_phrase_words < 2:
             raise ValueError("repetition_phrase_tokens and repetition_phrase_words must be >= 2")
+        if self.beam_size < 1 or self.best_of < 1:
+            raise ValueError("beam_size and best_of must be >= 1")
+        if self.patience <= 0:
+            raise ValueError("patience must be > 0")
+        if self.length_penalty is not None and not 0 <= self.length_penalty <= 1:
+            raise ValueError("length_penalty must be None or in [0, 1]")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.temperature > 0 and self.beam_size > 1:
+            raise ValueError("beam search is for temperature 0; sampling uses best_of")
+
+    @property
+    def searches(self) -> bool:
+        """Whether decoding keeps several hypotheses (beam search or best-of sampling)."""
+        return self.beam_size > 1 or self.temperature > 0
 
 
 @dataclass(frozen=True)

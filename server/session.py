@@ -339,7 +339,7 @@ class Session:
             self._finish_segment_if_closed(seg, decoded=True)
             self._maybe_done()
             return self.next_job(min_hop_s=min_hop_s, crowded=crowded)
-        job = self._job(seg, end, closing=closing, job_id=self._next_job_id)
+        job = self._job(seg, end, closing=closing, job_id=self._next_job_id, crowded=crowded)
         self._next_job_id += 1
         seg.decoded_to = end
         self._in_flight = job
@@ -364,11 +364,16 @@ class Session:
         if end <= seg.decoded_to:
             return job
         audio = self._buffer.slice(seg.window_start, end)
+        closing = end == seg.end
         fresh = dataclasses.replace(
             job,
             audio=audio,
-            request=dataclasses.replace(job.request, audio_s=audio.shape[0] / SAMPLE_RATE_HZ),
-            closing=end == seg.end,
+            request=dataclasses.replace(
+                job.request,
+                audio_s=audio.shape[0] / SAMPLE_RATE_HZ,
+                options=self._options(seg, closing=closing, crowded=crowded),
+            ),
+            closing=closing,
         )
         seg.decoded_to = end
         self._in_flight = fresh
@@ -378,16 +383,26 @@ class Session:
         c = self.streaming
         return min(c.max_window_s, c.crowded_max_window_s) if crowded else c.max_window_s
 
-    def _job(self, seg: _Segment, end: int, *, closing: bool, job_id: int) -> DecodeJob:
+    def _options(self, seg: _Segment, *, closing: bool, crowded: bool) -> DecodeOptions:
+        """The decode options of ``seg``'s next window: its language (or detection), and a
+        beam search for a closing decode while the server has a lane per stream."""
+        detector = self._detecting
+        beam = self.streaming.closing_beam_size if closing and not crowded else 1
+        if seg.language is not None or detector is None:
+            return DecodeOptions(language=seg.language, task=self.streaming.task, beam_size=beam)
+        return DecodeOptions(
+            language=detector.decode_language(),
+            task=self.streaming.task,
+            detect_language=True,
+            beam_size=beam,
+        )
+
+    def _job(
+        self, seg: _Segment, end: int, *, closing: bool, job_id: int, crowded: bool = False
+    ) -> DecodeJob:
         """The decode of ``seg``'s window up to ``end``."""
         audio = self._buffer.slice(seg.window_start, end)
-        detector = self._detecting
-        if seg.language is not None or detector is None:
-            options = DecodeOptions(language=seg.language, task=self.streaming.task)
-        else:
-            options = DecodeOptions(
-                language=detector.decode_language(), task=self.streaming.task, detect_language=True
-            )
+        options = self._options(seg, closing=closing, crowded=crowded)
         return DecodeJob(
             session_id=self.session_id,
             job_id=job_id,

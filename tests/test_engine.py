@@ -28,11 +28,15 @@ from tests.helpers import Float32Array, ManifestRow, load_clip, normalize, wer
 logger = logging.getLogger("tests.test_engine")
 
 LS_TEST = "librispeech_misc/lightning-whisper-mlx_ls_test.wav"
-# Measured with this suite's clip selection: 8 errors in 249 reference words, WER 3.2%
-# (tiny.en, float32, full 30 s contexts). The bound leaves room for about four more errors,
-# which covers a word flipping on another BLAS kernel, but not a real regression: a broken
-# timestamp rule or mel frontend costs tens of points.
+HARD = "librispeech_test-other"  # accented, fast or noisy readers: held to their own bound
+# Clean read speech, measured with this suite's clip selection: 8 errors in 249 reference
+# words, WER 3.2% (tiny.en, float32, full 30 s contexts). The bound leaves room for about four
+# more errors, which covers a word flipping on another BLAS kernel, but not a real regression:
+# a broken timestamp rule or mel frontend costs tens of points.
 WER_BOUND = 0.05
+# test-other, one clip per chapter: 20 errors in 112 words, 17.9% (2609-156975-0002 alone has
+# 12 of them: a fast reader tiny.en garbles). Room for about four more errors, as above.
+HARD_WER_BOUND = 0.22
 PARITY_CLIPS = (
     LS_TEST,
     "misc_en/jfk.wav",
@@ -49,17 +53,27 @@ TIMESTAMP_TOLERANCE_S = 0.02  # one encoder position
 
 
 def wer_clips(manifest: list[ManifestRow]) -> list[ManifestRow]:
-    """lightning-whisper-mlx's test clip plus, per source folder, the two longest English
-    clips of at most 12 s: a full-context decode costs the same encoder time for 2 s as for
-    12 s, so longer clips give more words per second of test time."""
+    """lightning-whisper-mlx's test clip plus, per clean source folder, the two longest
+    English clips of at most 12 s: a full-context decode costs the same encoder time for 2 s
+    as for 12 s, so longer clips give more words per second of test time."""
     by_folder: dict[str, list[ManifestRow]] = defaultdict(list)
     for row in manifest:
-        if row.language == "en" and row.seconds <= 12 and row.file != LS_TEST:
-            by_folder[row.file.split("/")[0]].append(row)
+        folder = row.file.split("/")[0]
+        if row.language == "en" and row.seconds <= 12 and row.file != LS_TEST and folder != HARD:
+            by_folder[folder].append(row)
     chosen = [r for r in manifest if r.file == LS_TEST]
     for folder in sorted(by_folder):
         chosen += sorted(by_folder[folder], key=lambda r: -r.seconds)[:2]
     return chosen
+
+
+def hard_clips(manifest: list[ManifestRow]) -> list[ManifestRow]:
+    """The longest test-other clip of at most 12 s of each chapter (four readers)."""
+    by_chapter: dict[str, list[ManifestRow]] = defaultdict(list)
+    for row in manifest:
+        if row.file.startswith(HARD + "/") and "/long/" not in row.file and row.seconds <= 12:
+            by_chapter[row.file.rsplit("-", 1)[0]].append(row)
+    return [max(rows, key=lambda r: r.seconds) for _, rows in sorted(by_chapter.items())]
 
 
 def window(engine: Engine, audio: Float32Array, frames: int | None = None, **kw: Any) -> Window:
@@ -71,11 +85,9 @@ def window(engine: Engine, audio: Float32Array, frames: int | None = None, **kw:
 # --- accuracy ----------------------------------------------------------------------------------
 
 
-def test_wer_of_tiny_en_on_real_english(
-    offline_text: Callable[[Path], str], speech_dir: Path, manifest: list[ManifestRow]
-) -> None:
-    clips = wer_clips(manifest)
-    assert clips[0].file == LS_TEST and len(clips) >= 11
+def _pooled_wer(
+    offline_text: Callable[[Path], str], speech_dir: Path, clips: list[ManifestRow]
+) -> float:
     refs, hyps = [], []
     for row in clips:
         text = offline_text(speech_dir / row.file)
@@ -85,7 +97,24 @@ def test_wer_of_tiny_en_on_real_english(
     words = sum(len(normalize(r).split()) for r in refs)
     overall = wer(refs, hyps)
     print(f"\ntiny.en WER over {len(clips)} clips ({words} words): {overall:.2%}")
-    assert overall <= WER_BOUND
+    return overall
+
+
+def test_wer_of_tiny_en_on_clean_english(
+    offline_text: Callable[[Path], str], speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    clips = wer_clips(manifest)
+    assert clips[0].file == LS_TEST and len(clips) >= 11
+    assert not any(r.file.startswith(HARD) for r in clips)
+    assert _pooled_wer(offline_text, speech_dir, clips) <= WER_BOUND
+
+
+def test_wer_of_tiny_en_on_hard_english(
+    offline_text: Callable[[Path], str], speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    clips = hard_clips(manifest)
+    assert len(clips) == 4  # one per chapter
+    assert _pooled_wer(offline_text, speech_dir, clips) <= HARD_WER_BOUND
 
 
 # --- parity with lightning-whisper-mlx ----------------------------------------------------------

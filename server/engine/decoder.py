@@ -293,7 +293,7 @@ class StreamingDecoder:
         positions: mx.array,
         offset: int,
         caches: list[tuple[mx.array, mx.array]],
-        self_mask: mx.array,
+        self_mask: mx.array | None,
         cross: list[tuple[mx.array, mx.array]],
         cross_mask: mx.array | None,
     ) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
@@ -313,7 +313,7 @@ class StreamingDecoder:
         positions: mx.array,
         offset: int,
         caches: list[tuple[mx.array, mx.array]],
-        self_mask: mx.array,
+        self_mask: mx.array | None,
         cross: list[tuple[mx.array, mx.array]],
         cross_mask: mx.array | None,
     ) -> tuple[npt.NDArray[np.float32], list[tuple[mx.array, mx.array]]]:

@@ -28,6 +28,7 @@ from ..features import (
     log_mel_spectrogram,
 )
 from ..formats import SAMPLE_RATE_HZ
+from .beam import search
 from .blas import set_blas_threads
 from .decoder import StreamingDecoder, Vocabulary
 from .lightning import module as lightning_module
@@ -192,13 +193,13 @@ class Engine:
         return [o for o in out if o is not None]
 
     def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
-        """Encode and greedily decode windows from any number of streams in one batch."""
+        """Encode and decode windows from any number of streams in one batch."""
         if not windows:
             return []
         try:
             feats = self.encode([w.mel for w in windows])
             requests = [w.request for w in windows]
-            results = self.decoder.decode(requests, feats)
+            results = self.decode_encoded(requests, feats)
             fallback = self.fallback_frames()
             retry = [
                 i
@@ -211,7 +212,7 @@ class Engine:
                 # The looped decode's own output is the draft: it saw the same audio, and
                 # verification drops the loop.
                 longer = self.encode([pad_to_full(windows[i].mel, fallback) for i in retry])
-                again = self.decoder.decode(
+                again = self.decode_encoded(
                     [replace(requests[i], draft=results[i].sequence) for i in retry], longer
                 )
                 for i, r in zip(retry, again, strict=True):
@@ -219,6 +220,23 @@ class Engine:
             return results
         except (RuntimeError, ValueError, IndexError) as exc:
             raise DecodeError(f"decode of {len(windows)} window(s) failed: {exc}") from exc
+
+    def decode_encoded(
+        self, requests: list[DecodeRequest], feats: list[mx.array]
+    ) -> list[DecodeResult]:
+        """Decode requests over their encoder outputs: greedy ones in one lockstep batch,
+        searched ones (beam search, sampling) one by one."""
+        searched = [i for i, r in enumerate(requests) if r.options.searches]
+        if not searched:
+            return self.decoder.decode(requests, feats)
+        greedy = [i for i in range(len(requests)) if i not in searched]
+        results: dict[int, DecodeResult] = {}
+        if greedy:
+            decoded = self.decoder.decode([requests[i] for i in greedy], [feats[i] for i in greedy])
+            results.update(zip(greedy, decoded, strict=True))
+        found = search(self.decoder, [requests[i] for i in searched], [feats[i] for i in searched])
+        results.update(zip(searched, found, strict=True))
+        return [results[i] for i in range(len(requests))]
 
     def release_memory(self) -> None:
         """Give back memory a burst of streams took: the decoder's batch-sized caches, MLX's

@@ -1,20 +1,32 @@
 """Offline transcription of a whole file, in-process: the accuracy reference for streaming.
 
-Whisper's long-form loop: 30 s windows at full audio context, greedy decoding with
-timestamps, each window conditioned on the text before it, and the next window starting at
-the last complete segment.
+Whisper's long-form loop: 30 s windows at full audio context, decoding with timestamps
+(greedy, or beam search with ``DecodeOptions.beam_size``), each window conditioned on the text
+before it, and the next window starting at the last complete segment. With more than one
+temperature, a window whose decode looks wrong (it loops, compresses too well, or its average
+log-probability is below ``logprob_threshold``) is decoded again at the next temperature, by
+sampling ``best_of`` candidates: Whisper's temperature fallback. Silence is not retried.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
-from ..engine_api import DecodeOptions, DecodeRequest, Segment, Window, WordTiming
+from ..engine_api import (
+    DecodeOptions,
+    DecodeRequest,
+    DecodeResult,
+    Segment,
+    StopReason,
+    Window,
+    WordTiming,
+)
 from ..features import N_FRAMES, N_SAMPLES
 from ..formats import SAMPLE_RATE_HZ
 from .engine import Engine, EngineConfig
@@ -22,6 +34,42 @@ from .engine import Engine, EngineConfig
 logger = logging.getLogger("server.engine.offline")
 
 PROMPT_TOKENS = 223  # Whisper conditions on at most half of the 448-token text context
+FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # Whisper's transcribe() defaults
+# Text decoded above this temperature is no context for the next window (Whisper's rule).
+PROMPT_RESET_TEMPERATURE = 0.5
+
+
+def needs_fallback(result: DecodeResult, options: DecodeOptions) -> bool:
+    """Whether a window's decode is to be tried again at a higher temperature."""
+    if result.stop_reason is StopReason.NO_SPEECH:
+        return False
+    if result.stop_reason in (StopReason.COMPRESSION, StopReason.REPETITION):
+        return True
+    return result.avg_logprob < options.logprob_threshold
+
+
+def decode_with_fallback(
+    engine: Engine, window: Window, temperatures: Sequence[float]
+) -> tuple[DecodeResult, float]:
+    """The window decoded at the first temperature whose result needs no fallback (else at
+    the last one), and that temperature."""
+    options = window.request.options
+    result: DecodeResult | None = None
+    for t in temperatures:
+        opts = replace(options, temperature=t, beam_size=1 if t > 0 else options.beam_size)
+        result = engine.decode_windows(
+            [replace(window, request=replace(window.request, options=opts))]
+        )[0]
+        if not needs_fallback(result, opts):
+            return result, t
+        logger.debug(
+            "window at temperature %.1f: %s, avg logprob %.2f",
+            t,
+            result.stop_reason,
+            result.avg_logprob,
+        )
+    assert result is not None
+    return result, temperatures[-1]
 
 
 @dataclass(frozen=True)
@@ -33,9 +81,15 @@ class Transcript:
 
 
 def transcribe_audio(
-    engine: Engine, audio: npt.NDArray[np.float32], options: DecodeOptions | None = None
+    engine: Engine,
+    audio: npt.NDArray[np.float32],
+    options: DecodeOptions | None = None,
+    temperatures: Sequence[float] = (0.0,),
 ) -> Transcript:
-    """Transcribe 16 kHz mono audio of any length with full 30 s contexts."""
+    """Transcribe 16 kHz mono audio of any length with full 30 s contexts; more than one
+    of ``temperatures`` turns the fallback on."""
+    if not temperatures or list(temperatures) != sorted(temperatures):
+        raise ValueError(f"temperatures must be a non-empty rising sequence; got {temperatures}")
     options = options or DecodeOptions(word_timestamps=False)
     seek = 0
     segments: list[Segment] = []
@@ -51,8 +105,7 @@ def transcribe_audio(
         request = DecodeRequest(
             chunk.shape[0] / SAMPLE_RATE_HZ, options, prompt=tuple(context[-PROMPT_TOKENS:])
         )
-        window = Window(mel, request)
-        result = engine.decode_windows([window])[0]
+        result, temperature = decode_with_fallback(engine, Window(mel, request), temperatures)
         language = result.language
         offset_s = seek / SAMPLE_RATE_HZ
         advance = chunk.shape[0]
@@ -69,6 +122,8 @@ def transcribe_audio(
                 end = s.end_s if s.end_s >= 0 else chunk.shape[0] / SAMPLE_RATE_HZ
                 segments.append(Segment(offset_s + s.start_s, offset_s + end, s.text, s.tokens))
                 context.extend(s.tokens)
+            if temperature > PROMPT_RESET_TEMPERATURE:
+                context.clear()
             limit_s = advance / SAMPLE_RATE_HZ
             for w in result.words:
                 # The unfinished last segment's words come again from the next window.
@@ -91,6 +146,8 @@ def transcribe_file(
     language: str | None = "en",
     task: str = "transcribe",
     word_timestamps: bool = False,
+    beam_size: int = 5,
+    temperatures: Sequence[float] = FALLBACK_TEMPERATURES,
 ) -> Transcript:
     """Load the model, read the file (wav/flac/mp3/ogg) and transcribe it; with
     ``word_timestamps``, the transcript's words carry times (for subtitles)."""
@@ -100,5 +157,7 @@ def transcribe_file(
     if not engine.dims.is_multilingual:
         language = "en"
     audio = read_audio_file(path)
-    options = DecodeOptions(language=language, task=task, word_timestamps=word_timestamps)
-    return transcribe_audio(engine, audio, options)
+    options = DecodeOptions(
+        language=language, task=task, word_timestamps=word_timestamps, beam_size=beam_size
+    )
+    return transcribe_audio(engine, audio, options, temperatures)

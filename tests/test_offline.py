@@ -1,0 +1,104 @@
+"""Offline transcription (server/engine/offline.py): Whisper's long-form loop, beam search and
+the temperature fallback, on the real tiny.en model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from server.engine.engine import Engine
+from server.engine.offline import (
+    FALLBACK_TEMPERATURES,
+    needs_fallback,
+    transcribe_audio,
+)
+from server.engine_api import DecodeOptions, DecodeResult, StopReason, Window
+from tests.helpers import load_clip, wer
+
+
+def _result(stop: StopReason, avg_logprob: float = -0.3) -> DecodeResult:
+    return DecodeResult(
+        tokens=(1,),
+        text=" x",
+        segments=(),
+        words=(),
+        language="en",
+        avg_logprob=avg_logprob,
+        no_speech_prob=0.1,
+        compression_ratio=1.0,
+        stop_reason=stop,
+        n_generated=1,
+    )
+
+
+class CountingEngine:
+    """The real engine, recording the temperature of every window it decodes."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.temperatures: list[float] = []
+
+    def features(self, audio: object, frames: int | None = None) -> object:
+        return self.engine.features(audio, frames)  # type: ignore[arg-type]
+
+    def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
+        self.temperatures += [w.request.options.temperature for w in windows]
+        return self.engine.decode_windows(windows)
+
+
+def test_fallback_is_for_loops_and_doubtful_text_never_for_silence() -> None:
+    options = DecodeOptions()
+    assert not needs_fallback(_result(StopReason.EOT), options)
+    assert needs_fallback(_result(StopReason.EOT, avg_logprob=-1.2), options)
+    assert needs_fallback(_result(StopReason.REPETITION), options)
+    assert needs_fallback(_result(StopReason.COMPRESSION), options)
+    assert not needs_fallback(_result(StopReason.NO_SPEECH, avg_logprob=-3.0), options)
+    assert not needs_fallback(_result(StopReason.REPEAT_AT_END), options)
+
+
+def test_temperatures_must_rise(engine: Engine, speech_dir: Path) -> None:
+    audio = load_clip(speech_dir / "misc_en/jfk.wav")
+    with pytest.raises(ValueError, match="rising"):
+        transcribe_audio(engine, audio, temperatures=(0.4, 0.0))
+    with pytest.raises(ValueError, match="rising"):
+        transcribe_audio(engine, audio, temperatures=())
+
+
+def test_a_confident_window_is_decoded_once(engine: Engine, speech_dir: Path) -> None:
+    counting = CountingEngine(engine)
+    audio = load_clip(speech_dir / "misc_en/jfk.wav")
+    text = transcribe_audio(counting, audio, temperatures=FALLBACK_TEMPERATURES).text  # type: ignore[arg-type]
+    assert counting.temperatures == [0.0]
+    assert (
+        wer(
+            "and so my fellow americans ask not what your country can do for you ask what you "
+            "can do for your country",
+            text,
+        )
+        <= 0.05
+    )
+
+
+def test_a_doubtful_window_is_sampled_at_each_temperature_in_turn(
+    engine: Engine, speech_dir: Path
+) -> None:
+    """With a log-probability threshold no decode meets, every temperature is tried, and the
+    transcript is the last one's: sampled, still speech."""
+    counting = CountingEngine(engine)
+    audio = load_clip(speech_dir / "misc_en/jfk.wav")
+    options = DecodeOptions(word_timestamps=False, logprob_threshold=0.0)
+    transcript = transcribe_audio(counting, audio, options, FALLBACK_TEMPERATURES)  # type: ignore[arg-type]
+    assert counting.temperatures == list(FALLBACK_TEMPERATURES)
+    assert "country" in transcript.text.lower()
+
+
+def test_beam_search_transcribes_a_long_recording(engine: Engine, speech_dir: Path) -> None:
+    """Beam search through the long-form loop: each 30 s window conditioned on the text
+    before it, timestamps that go forward, and the whole recording covered."""
+    audio = load_clip(speech_dir / "librispeech_test-other/long/367-130732.concat.wav")
+    transcript = transcribe_audio(engine, audio, DecodeOptions(word_timestamps=False, beam_size=5))
+    starts = [s.start_s for s in transcript.segments]
+    assert starts == sorted(starts)
+    assert transcript.segments[-1].end_s > audio.shape[0] / 16000 - 5.0
+    assert "lobster" in transcript.text.lower() and len(transcript.text.split()) > 150
