@@ -9,7 +9,7 @@ PORT ?= 8765
 MODEL ?= tiny.en
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint browser haproxy bench bench-engine bench-decoder bench-streaming bench-capacity clean
+.PHONY: install run test lint browser haproxy bench bench-engine bench-decoder bench-beam bench-streaming bench-capacity clean
 .PHONY: peer bench-latency bench-accuracy tmux
 
 install: $(STAMP)
@@ -57,6 +57,10 @@ bench-engine: $(STAMP)
 
 bench-decoder: $(STAMP)
 	$(PY) -m bench.decoder
+
+# What a beam-searched closing decode and an offline beam window cost against greedy ones.
+bench-beam: $(STAMP)
+	$(PY) -m bench.beam
 
 bench-streaming: $(STAMP)
 	$(PY) -m bench.streaming

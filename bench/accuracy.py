@@ -30,8 +30,9 @@ folder) -- by source folder of the short clips, and by set (short, long).
 subprocess over WebSocket and reports that WER beside the simulated one, per clip and pooled:
 the check that the simulation stands for the server.
 
-``--set section.field=value`` overrides a field of ``StreamingConfig`` (``streaming.``) or of
-the commit policy's config (``commit.``), so the trade-off table is one loop over flags.
+``--set section.field=value`` overrides a field of ``StreamingConfig`` (``streaming.``), of
+``VadConfig`` (``vad.``) or of the commit policy's config (``commit.``), so the trade-off table
+is one loop over flags (``--server`` streams with the server's defaults).
 Writes ``bench/results/accuracy.json`` (``--out NAME`` for another name) and prints a table by
 difficulty and one by source; the last line printed is one JSON object with the headline
 figures per difficulty, test-other first.
@@ -65,7 +66,7 @@ from bench.engine import RESULTS, Float32Array, load_speech, speech_dir, write_r
 from bench.replay import WhisperwireAdapter, replay
 from bench.server_process import ServerProcess, free_port, http_ok
 from bench.simulate import simulate
-from server.config import StreamingConfig
+from server.config import StreamingConfig, VadConfig
 from server.engine.engine import Engine, EngineConfig
 from server.engine.offline import transcribe_audio
 from server.engine_api import DecodeOptions
@@ -83,18 +84,21 @@ OFFLINE_OPTIONS: dict[str, DecodeOptions | None] = {
 OfflineCache = dict[str, dict[str, str]]  # reference name -> clip file -> transcript
 
 
-def _overrides(pairs: list[str]) -> tuple[StreamingConfig, CommitConfig]:
-    streaming: dict[str, Any] = {}
-    commit: dict[str, Any] = {}
+def _overrides(pairs: list[str]) -> tuple[StreamingConfig, CommitConfig, VadConfig]:
+    sections: dict[str, dict[str, Any]] = {"streaming": {}, "commit": {}, "vad": {}}
     for pair in pairs:
         key, _, raw = pair.partition("=")
         section, _, name = key.partition(".")
-        target = {"streaming": streaming, "commit": commit}.get(section)
+        target = sections.get(section)
         if target is None or not name or not raw:
-            raise SystemExit(f"--set takes streaming.FIELD=VALUE or commit.FIELD=VALUE; got {pair}")
+            raise SystemExit(
+                f"--set takes streaming.FIELD=VALUE, commit.FIELD=VALUE or vad.FIELD=VALUE; "
+                f"got {pair}"
+            )
         target[name] = json.loads(raw)
-    base_commit = CommitConfig(**commit)
-    return StreamingConfig(commit=base_commit, **streaming), base_commit
+    commit = CommitConfig(**sections["commit"])
+    streaming = StreamingConfig(commit=commit, **sections["streaming"])
+    return streaming, commit, VadConfig(**sections["vad"])
 
 
 def modelled_cost_s(job: DecodeJob) -> float:
@@ -121,6 +125,7 @@ def run_clip(
     transcript: str,
     streaming: StreamingConfig,
     *,
+    vad: VadConfig | None = None,
     modelled: bool = False,
     offline_cache: OfflineCache | None = None,
     references: tuple[str, ...] = OFFLINE,
@@ -131,7 +136,11 @@ def run_clip(
     cache = offline_cache if offline_cache is not None else {}
     texts = {name: offline_text(engine, audio, file, name, cache) for name in references}
     result = simulate(
-        engine, audio, streaming=streaming, decode_cost_s=modelled_cost_s if modelled else None
+        engine,
+        audio,
+        streaming=streaming,
+        vad=vad,
+        decode_cost_s=modelled_cost_s if modelled else None,
     )
     s = count_errors(transcript, result.text)
     words = [w for f in result.finals for w in f.words]
@@ -155,6 +164,7 @@ def run_clip(
     return row | {
         "error_locations": location_counts(located),
         "final_latencies_s": [round(x, 3) for x in result.final_latencies_s()],
+        "word_final_latencies_s": [round(x, 3) for x in result.word_final_latencies_s()],
         "first_partial_s": result.first_partial_latency_s(),
         "flicker_changed": changed,
         "flicker_shown": shown,
@@ -251,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         help="JSON file keeping offline transcripts between runs (they do not depend on --set)",
     )
     args = parser.parse_args(argv)
-    streaming, commit = _overrides(args.set)
+    streaming, commit, vad = _overrides(args.set)
 
     folder = speech_dir()
     short = [r for r in read_manifest(folder / "manifest.tsv") if r.language == "en"]
@@ -278,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 row.file,
                 row.transcript,
                 streaming,
+                vad=vad,
                 modelled=args.modelled_cost,
                 offline_cache=cache,
                 references=references,
@@ -309,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         "offline_references": list(references),
         "streaming": dataclasses.asdict(streaming),
         "commit": dataclasses.asdict(commit),
+        "vad": dataclasses.asdict(vad),
         "engine": dataclasses.asdict(engine.config),
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),

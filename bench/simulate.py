@@ -65,6 +65,17 @@ class SimulationResult:
         """For each final: when it arrived minus the stream time of its last word's end."""
         return [e.at_s - e.message.end for e in self.events if isinstance(e.message, FinalMessage)]
 
+    def word_final_latencies_s(self) -> list[float]:
+        """For each final word: when its final arrived minus the stream time of its end. The
+        per-final figure counts only a final's last word; this one also counts the words a
+        final held back (a policy that commits late shows here)."""
+        return [
+            e.at_s - w.end
+            for e in self.events
+            if isinstance(e.message, FinalMessage)
+            for w in e.message.words
+        ]
+
     def flicker(self) -> tuple[int, int]:
         """(words shown in a partial and later changed, words shown in partials in all)."""
         changed = shown = 0

@@ -3,6 +3,7 @@
     whisperwire-server [--host 127.0.0.1] [--port 8765] [--model tiny.en] [--dtype float32]
                        [--quantize-bits 4|8] [--min-context-s 3] [--max-batch-size 8]
                        [--batch-wait-ms 5] [--decode-lanes auto] [--min-right-context-s 0.8]
+                       [--closing-beam-size 5]
                        [--max-sessions 32] [--no-capacity-limit]
                        [--capacity-hop-s 1] [--capacity-utilization 0.8]
                        [--max-session-s 14400] [--idle-timeout-s 30] [--api-key KEY]
@@ -123,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="audio after a word before it can become final: less is faster, more is surer "
         "(default %(default)s; bench-accuracy's table in bench/README.md)",
     )
+    streaming.add_argument(
+        "--closing-beam-size",
+        type=int,
+        default=StreamingConfig().closing_beam_size,
+        help="beam width of the decode that commits the rest of an utterance when it ends, "
+        "while every stream has a decode lane; 1: greedy (default %(default)s)",
+    )
 
     limits = parser.add_argument_group("limits and security")
     limits.add_argument(
@@ -240,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             drain_s=args.drain_s,
         )
         streaming = StreamingConfig(
-            commit=CommitConfig(min_right_context_s=args.min_right_context_s)
+            closing_beam_size=args.closing_beam_size,
+            commit=CommitConfig(min_right_context_s=args.min_right_context_s),
         )
         pipeline = PipelineConfig(
             decode_lanes=args.decode_lanes or 1,

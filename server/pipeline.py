@@ -505,9 +505,11 @@ class Pipeline:
         self._in_flight.difference_update(batch)
         audio_s = [w.request.audio_s for w in windows]
         self.metrics.observe_batch(len(batch), run.elapsed_s, sum(audio_s))
-        if run.whole:
+        searched = any(w.request.options.searches for w in windows)
+        if run.whole and not searched:
             # A failed batch's time (the failure, then each window alone) is not what a
-            # batch of this size costs.
+            # batch of this size costs; nor is a beam-searched closing decode's, which runs
+            # only while every stream has a lane (under load closing decodes are greedy).
             self.capacity.observe(audio_s, run.elapsed_s)
         for request, outcome in zip(batch, run.outcomes, strict=True):
             if isinstance(outcome, Exception):

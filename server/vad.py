@@ -5,7 +5,9 @@ segmenter received), so the caller can cut its own audio buffer with them direct
 
 A segment opens when at least ``speech_start_ms`` of the frames in the last
 ``speech_start_window_ms`` are voiced (hysteresis against clicks and breaths), and closes after
-``speech_end_silence_ms`` of consecutive unvoiced frames. Both ends are widened by
+``speech_end_silence_ms`` of consecutive unvoiced frames (``short_speech_end_silence_ms`` while
+the speech so far is shorter than ``short_speech_s``: a short phrase and a pause are more
+often the start of a sentence than all of it). Both ends are widened by
 ``speech_pad_ms`` so word onsets and trailing consonants are not clipped.
 """
 
@@ -66,6 +68,10 @@ class VadSegmenter:
             math.ceil(config.speech_start_window_ms / config.frame_ms), self._start_frames
         )
         self._end_frames = math.ceil(config.speech_end_silence_ms / config.frame_ms)
+        self._short_end_frames = max(
+            self._end_frames, math.ceil(config.short_speech_end_silence_ms / config.frame_ms)
+        )
+        self._short_speech = round(config.short_speech_s * SAMPLE_RATE_HZ)
         self._pad = config.speech_pad_ms * SAMPLE_RATE_HZ // 1000
         self._warmup_frames = math.ceil(_WARMUP_MS / config.frame_ms)
         self._voiced_run_start: int | None = None  # first frame of the current raw-voiced run
@@ -77,6 +83,7 @@ class VadSegmenter:
         self._silent_frames = 0
         self._last_voiced_end = 0
         self._last_end = 0  # end_sample of the previous segment; the next one may not overlap
+        self._onset = 0  # first voiced sample of the open segment
 
     @property
     def in_speech(self) -> bool:
@@ -154,7 +161,8 @@ class VadSegmenter:
                 self._last_voiced_end = self._processed
                 return None
             self._silent_frames += 1
-            if self._silent_frames >= self._end_frames:
+            short = self._last_voiced_end - self._onset < self._short_speech
+            if self._silent_frames >= (self._short_end_frames if short else self._end_frames):
                 return self._end(min(self._last_voiced_end + self._pad, self._processed))
             return None
         self._window.append((frame_start, voiced))
@@ -165,6 +173,7 @@ class VadSegmenter:
             # Only differs after warm-up: speech from the first sample keeps its onset.
             onset = min(onset, self._voiced_run_start)
         start_sample = max(onset - self._pad, 0, self._last_end)
+        self._onset = onset
         self._in_speech = True
         self._silent_frames = 0
         self._last_voiced_end = self._processed  # this frame is voiced: it tipped the count

@@ -5,6 +5,7 @@ Helpers that are not fixtures live in ``tests/helpers.py``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,22 @@ from tests.helpers import ManifestRow, find_speech_dir, load_clip, read_manifest
 
 if TYPE_CHECKING:
     from server.engine.engine import Engine
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n``), the controller converts the packaged
+    models into the model cache before the workers start: each worker's ``engine`` fixture
+    and the ``whisperwire-server`` processes some tests start would otherwise convert the
+    same model at once, into the same cache folder. Cached already, this only loads them."""
+    config = session.config
+    if not getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
+        return
+    from server.engine.store import load_model
+    from server.errors import ModelNotFoundError
+
+    for name in ("tiny.en", "base"):
+        with contextlib.suppress(ModelNotFoundError):  # base: the tests that need it skip
+            load_model(name)
 
 
 @pytest.fixture(scope="session")

@@ -82,6 +82,20 @@ def read_manifest(path: Path) -> list[ManifestRow]:
         ]
 
 
+HARD_SPEECH = "librispeech_test-other"  # accented, fast or noisy readers
+
+
+def hard_clips(manifest: list[ManifestRow]) -> list[ManifestRow]:
+    """The longest test-other clip of at most 12 s of each chapter (four readers): the hard
+    speech that the accuracy tests hold to bounds of their own."""
+    by_chapter: dict[str, list[ManifestRow]] = {}
+    for row in manifest:
+        hard = row.file.startswith(HARD_SPEECH + "/") and "/long/" not in row.file
+        if hard and row.seconds <= 12:
+            by_chapter.setdefault(row.file.rsplit("-", 1)[0], []).append(row)
+    return [max(rows, key=lambda r: r.seconds) for _, rows in sorted(by_chapter.items())]
+
+
 def load_clip(path: Path) -> Float32Array:
     """A 16 kHz mono 16-bit WAV from the speech folder as float32 in [-1, 1)."""
     with wave.open(str(path), "rb") as w:

@@ -23,12 +23,19 @@ from server.engine.lightning import module as lightning_module
 from server.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason, Window
 from server.features import N_FRAMES
 from server.formats import SAMPLE_RATE_HZ
-from tests.helpers import Float32Array, ManifestRow, load_clip, normalize, wer
+from tests.helpers import (
+    HARD_SPEECH,
+    Float32Array,
+    ManifestRow,
+    hard_clips,
+    load_clip,
+    normalize,
+    wer,
+)
 
 logger = logging.getLogger("tests.test_engine")
 
 LS_TEST = "librispeech_misc/lightning-whisper-mlx_ls_test.wav"
-HARD = "librispeech_test-other"  # accented, fast or noisy readers: held to their own bound
 # Clean read speech, measured with this suite's clip selection: 8 errors in 249 reference
 # words, WER 3.2% (tiny.en, float32, full 30 s contexts). The bound leaves room for about four
 # more errors, which covers a word flipping on another BLAS kernel, but not a real regression:
@@ -59,21 +66,17 @@ def wer_clips(manifest: list[ManifestRow]) -> list[ManifestRow]:
     by_folder: dict[str, list[ManifestRow]] = defaultdict(list)
     for row in manifest:
         folder = row.file.split("/")[0]
-        if row.language == "en" and row.seconds <= 12 and row.file != LS_TEST and folder != HARD:
+        if (
+            row.language == "en"
+            and row.seconds <= 12
+            and row.file != LS_TEST
+            and folder != HARD_SPEECH
+        ):
             by_folder[folder].append(row)
     chosen = [r for r in manifest if r.file == LS_TEST]
     for folder in sorted(by_folder):
         chosen += sorted(by_folder[folder], key=lambda r: -r.seconds)[:2]
     return chosen
-
-
-def hard_clips(manifest: list[ManifestRow]) -> list[ManifestRow]:
-    """The longest test-other clip of at most 12 s of each chapter (four readers)."""
-    by_chapter: dict[str, list[ManifestRow]] = defaultdict(list)
-    for row in manifest:
-        if row.file.startswith(HARD + "/") and "/long/" not in row.file and row.seconds <= 12:
-            by_chapter[row.file.rsplit("-", 1)[0]].append(row)
-    return [max(rows, key=lambda r: r.seconds) for _, rows in sorted(by_chapter.items())]
 
 
 def window(engine: Engine, audio: Float32Array, frames: int | None = None, **kw: Any) -> Window:
@@ -105,7 +108,7 @@ def test_wer_of_tiny_en_on_clean_english(
 ) -> None:
     clips = wer_clips(manifest)
     assert clips[0].file == LS_TEST and len(clips) >= 11
-    assert not any(r.file.startswith(HARD) for r in clips)
+    assert not any(r.file.startswith(HARD_SPEECH) for r in clips)
     assert _pooled_wer(offline_text, speech_dir, clips) <= WER_BOUND
 
 

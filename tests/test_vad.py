@@ -113,7 +113,8 @@ def test_padded_clip_gives_one_segment(name: str, frame_ms: int) -> None:
     config = VadConfig(frame_ms=frame_ms)
     clip = _load(name)
     onset, offset = _energy_bounds(clip)
-    stream = np.concatenate([_silence(1.0), clip, _silence(1.0)])
+    # 1.5 s after: both clips are short speech, which needs 1 s of silence to end.
+    stream = np.concatenate([_silence(1.0), clip, _silence(1.5)])
     events = _run(stream, config)
     assert len(events) == 2, events
     start, end = _segments(events)[0]
@@ -144,7 +145,8 @@ def test_speech_from_the_first_sample_starts_at_zero() -> None:
 def test_start_is_clamped_to_the_previous_end() -> None:
     # A 400 ms pad around a 700 ms pause would make the second segment begin before the first
     # one ends; the start is moved up to that end instead.
-    config = VadConfig(speech_pad_ms=400)
+    # Short speech would wait out the pause (``short_speech_s``); this is about the pad.
+    config = VadConfig(speech_pad_ms=400, short_speech_s=0.0)
     clip = _load(CLIP_FROM_START)
     stream = np.concatenate([_silence(1.0), clip, _silence(0.7), clip, _silence(1.0)])
     segments = _segments(_run(stream, config))
@@ -197,6 +199,38 @@ def test_segmenter_keeps_working_after_flush() -> None:
     assert second[0].start_sample > offset + 0.5 * SECOND
 
 
+PHRASE_THEN_BREATH = "librispeech_test-other/3080-5032-0004.wav"  # "Well, | the best on't is ..."
+
+
+def test_a_short_phrase_and_a_breath_stay_one_utterance() -> None:
+    """The reader says "Well," and pauses about half a second: as an utterance of its own
+    the word had no context, and tiny.en heard "war."."""
+    stream = np.concatenate([_load(PHRASE_THEN_BREATH), _silence(1.5)])
+    assert len(_segments(_run(stream))) == 1
+    assert len(_segments(_run(stream, VadConfig(short_speech_s=0.0)))) == 2
+
+
+def _end_after_silence_ms(stream: npt.NDArray[np.float32], config: VadConfig) -> float:
+    """Fed 10 ms at a time: how long after the last voiced audio the segment ended."""
+    vad = VadSegmenter(config)
+    for pos in range(0, stream.size, 10 * MS):
+        for event in vad.receive(stream[pos : pos + 10 * MS]):
+            if isinstance(event, SpeechEnded):
+                return (vad.samples_processed - (event.end_sample - config.speech_pad_ms * MS)) / MS
+    raise AssertionError("speech never ended")
+
+
+def test_a_short_utterance_alone_ends_after_the_longer_silence() -> None:
+    word = _load(PHRASE_THEN_BREATH)[: round(1.1 * SECOND)]  # "Well,"
+    stream = np.concatenate([_silence(1.0), word, _silence(2.0)])
+    config = VadConfig()
+    waited = _end_after_silence_ms(stream, config)
+    assert config.short_speech_end_silence_ms <= waited <= config.short_speech_end_silence_ms + 60
+    long_speech = np.concatenate([_silence(1.0), _load(SECOND_CLIP), _silence(2.0)])
+    waited = _end_after_silence_ms(long_speech, config)
+    assert config.speech_end_silence_ms <= waited <= config.speech_end_silence_ms + 60
+
+
 # --- configuration and input checks -------------------------------------------------------------
 
 
@@ -209,9 +243,11 @@ def test_segmenter_keeps_working_after_flush() -> None:
         ({"speech_start_ms": 200, "speech_start_window_ms": 150}, "speech_start_window_ms"),
         ({"speech_end_silence_ms": 10}, "at least one frame"),
         ({"speech_pad_ms": -1}, "speech_pad_ms"),
+        ({"short_speech_s": -1.0}, "short_speech_s"),
+        ({"short_speech_end_silence_ms": -1}, "short_speech_end_silence_ms"),
     ],
 )
-def test_config_validation(kwargs: dict[str, int], message: str) -> None:
+def test_config_validation(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         VadConfig(**kwargs)
 

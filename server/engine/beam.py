@@ -135,7 +135,9 @@ class _Search:
             live = [replace(h, parent=j) for j, h in enumerate(live)]
             offset += 1
             steps += 1
-        pool = finished
+        # A hypothesis cut for looping is chosen only when nothing else finished: length
+        # normalisation favours a loop of likely tokens ("... ... ..."), the longer the better.
+        pool = [h for h in finished if not h.stop.looped] or finished
         if len(pool) < self.width:
             # The token cap ended the search: live hypotheses fill the pool, best first.
             rest = sorted(capped, key=lambda h: h.sum_logprob, reverse=True)
