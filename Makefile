@@ -8,6 +8,10 @@ HOST ?= 127.0.0.1
 PORT ?= 8765
 MODEL ?= tiny.en
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`: while the decoding tests keep the cores busy, the
+# real-time streams, HAProxy, Chromium and tmux tests mostly wait on the clock, so two cores
+# carry more than two workers. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 3
 
 .PHONY: install run test lint browser haproxy bench bench-engine bench-decoder bench-beam bench-streaming bench-capacity clean
 .PHONY: peer bench-latency bench-accuracy tmux
@@ -44,8 +48,9 @@ tmux:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null; \
 	  else echo "tmux missing: sudo apt-get install tmux (terminal tests will be skipped)"; fi; }
 
+# --dist loadgroup: tests spread one by one, except those an xdist_group keeps on one worker.
 test: $(STAMP) browser haproxy tmux
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check server client tests bench

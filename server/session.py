@@ -55,7 +55,7 @@ from .messages import (
     WordInfo,
     parse_client_message,
 )
-from .policy import CommitPolicy
+from .policy import CommitConfig, CommitPolicy
 from .vad import SpeechEnded, SpeechStarted, VadSegmenter
 
 logger = logging.getLogger("server.session")
@@ -281,9 +281,17 @@ class Session:
             window_start=start,
             decoded_to=start,
             heard_to=start,
-            policy=CommitPolicy(self.streaming.commit),
+            policy=CommitPolicy(self._commit_config()),
             language=self._language,
         )
+
+    def _commit_config(self) -> CommitConfig:
+        """The commit policy's config, with the first commit due by half the smallest window
+        cap at the latest: a window cut at its cap before anything was agreed commits its
+        words unchecked (``_force_cut``)."""
+        c = self.streaming
+        cap_s = min(c.max_window_s, c.crowded_max_window_s)
+        return dataclasses.replace(c.commit, min_window_s=min(c.commit.min_window_s, cap_s / 2))
 
     def _close_open_segment(self, end: int, *, reopen: bool) -> None:
         if self._segments and self._segments[-1].end is None:

@@ -6,6 +6,9 @@ Helpers that are not fixtures live in ``tests/helpers.py``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +38,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             load_model(name)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, the ``slow`` tests go first (order only): started last, a test of
+    minutes keeps one worker busy after the others have run out of work."""
+    if getattr(config.option, "numprocesses", None):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def speech_dir() -> Path:
     """The real-speech folder (see ``tests/helpers.find_speech_dir``); skips when absent."""
@@ -62,19 +72,42 @@ def engine() -> Iterator[Engine]:
 
 
 @pytest.fixture(scope="session")
-def offline_text(engine: Engine) -> Callable[[Path], str]:
-    """The default model's offline transcript of a recording, decoded once per session: several
-    accuracy tests hold their streams against the same recordings (LJ long is 221 s)."""
+def offline_text(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], str]:
+    """The default model's offline transcript of a recording, decoded once per run: several
+    accuracy tests hold their streams against the same recordings (LJ long is 221 s). Under
+    pytest-xdist the workers share the transcripts through files in the run's temporary
+    folder; the first worker to ask decodes while the others wait for it."""
     from server.engine.offline import transcribe_audio
 
     texts: dict[Path, str] = {}
+    shared: Path | None = None
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "offline-text"
+        shared.mkdir(exist_ok=True)
+
+    def decode(path: Path) -> str:
+        return transcribe_audio(engine, load_clip(path)).text
 
     def text(path: Path) -> str:
         if path not in texts:
-            texts[path] = transcribe_audio(engine, load_clip(path)).text
+            texts[path] = decode(path) if shared is None else decoded_once(shared, path, decode)
         return texts[path]
 
     return text
+
+
+def decoded_once(folder: Path, path: Path, decode: Callable[[Path], str]) -> str:
+    """``decode(path)``, kept in ``folder`` for the other worker processes; a lock file makes
+    a second asker wait for the first one's transcript instead of decoding it again."""
+    key = hashlib.sha1(str(path.resolve()).encode()).hexdigest()
+    done = folder / f"{key}.txt"
+    with (folder / f"{key}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            partial = folder / f"{key}.part"
+            partial.write_text(decode(path), encoding="utf-8")
+            partial.replace(done)
+        return done.read_text(encoding="utf-8")
 
 
 @pytest.fixture(scope="session")

@@ -153,6 +153,12 @@ def parity(engine: Engine, speech_dir: Path) -> dict[str, Parity]:
     return out
 
 
+# The parity fixture loads the reference model and decodes every parity clip (tens of seconds on
+# a busy 2-core machine): its tests stay on one pytest-xdist worker, so it is built once.
+with_parity = pytest.mark.xdist_group("lightning-parity")
+
+
+@with_parity
 @pytest.mark.parametrize("clip", PARITY_CLIPS)
 def test_greedy_tokens_equal_lightning_reference(
     engine: Engine, parity: dict[str, Parity], clip: str
@@ -170,6 +176,7 @@ def test_greedy_tokens_equal_lightning_reference(
     assert ours[:inside] == stamps[:inside]
 
 
+@with_parity
 def test_forced_prefix_continues_to_the_same_tokens(
     engine: Engine, parity: dict[str, Parity]
 ) -> None:

@@ -178,11 +178,15 @@ async def test_a_dropped_connection_resends_the_audio_since_the_last_final(
         await asyncio.wait_for(got_final.wait(), WAIT_S)
         server.abort_connections()  # TCP gone: no close frame, no done
         covered_s = seam_start(tuple(finals))  # what it had made final when it dropped
+        delivered = len(finals)
         resumed = await asyncio.wait_for(streaming, WAIT_S)
     (only,) = resumed.sessions  # the lost session has no result; the resumed one does
     sent_again_s = only.done.audio_received_s
     assert sent_again_s == pytest.approx(source.duration_s - covered_s, abs=0.002)
-    assert resumed.result.finals[0].start >= covered_s - 0.002
+    # The merged timeline keeps the finals delivered before the drop; the resumed session's
+    # follow from the seam on.
+    assert list(resumed.result.finals[:delivered]) == finals[:delivered]
+    assert resumed.result.finals[delivered].start >= covered_s - 0.002
     assert resumed.result.done.audio_received_s == pytest.approx(source.duration_s, abs=0.002)
 
 

@@ -231,6 +231,7 @@ def _assert_streams_as_accurately_as_offline(
     )
 
 
+@pytest.mark.slow
 def test_short_clips_stream_as_accurately_as_offline(
     engine: Engine,
     offline_text: Callable[[Path], str],
@@ -242,6 +243,7 @@ def test_short_clips_stream_as_accurately_as_offline(
     )
 
 
+@pytest.mark.slow
 def test_hard_clips_stream_as_accurately_as_offline(
     engine: Engine,
     offline_text: Callable[[Path], str],
@@ -260,6 +262,7 @@ def test_hard_clips_stream_as_accurately_as_offline(
 CUT_CLIPS = [f"ljspeech/LJ001-00{n}.wav" for n in ("01", "03", "14", "27")]
 
 
+@pytest.mark.slow
 def test_cuts_inside_speech_lose_no_words(
     engine: Engine,
     offline_text: Callable[[Path], str],
@@ -451,10 +454,10 @@ def _stream_without_end(engine: ScriptedEngine, audio: np.ndarray) -> list[Serve
 SPEECH_CLIP = "librispeech_test-clean/1089-134691-0000.wav"  # 2.1 s of speech, no long pause
 
 
-# 3 s of speech with no pause: longer than the policy's minimum window plus the audio it wants
-# after a word, so a word may commit before the segment closes.
+# 5 s of speech with no pause: longer than the policy's minimum window (4 s) plus the audio it
+# wants after a word, so a word may commit before the segment closes.
 OPEN_SPEECH_CLIP = "librispeech_test-clean/1089-134691-0001.wav"
-OPEN_SPEECH_S = 3.0
+OPEN_SPEECH_S = 5.0
 
 
 def test_a_last_word_followed_by_audio_is_final_before_the_segment_closes(
@@ -676,6 +679,23 @@ def test_a_closing_decode_is_beam_searched_while_every_stream_has_a_lane(
         1 if crowded else config.closing_beam_size
     }
     assert {beam for closing, beam in widths if not closing} == {1}
+
+
+def test_a_small_window_cap_brings_the_first_commit_forward(speech_dir: Path) -> None:
+    """The first words of an utterance wait for ``min_window_s`` of window, but never past
+    half the window cap: a window cut at its cap before anything was agreed would commit its
+    words unchecked."""
+    engine = ScriptedEngine()
+    config = StreamingConfig(max_window_s=4.0, clause_cut_s=4.0)
+    assert config.commit.min_window_s >= config.max_window_s
+    session = Session("small", streaming=config)
+    clip = load_clip(speech_dir / LONG_SPEECH_CLIP)
+    _feed_answering(session, engine, pcm_s16le_bytes(clip[: round(3.5 * SAMPLE_RATE_HZ)]))
+    assert [e for e in session.events_to_send() if isinstance(e, FinalMessage)]
+
+    session = Session("default")  # the default cap leaves the first words waiting
+    _feed_answering(session, engine, pcm_s16le_bytes(clip[: round(3.5 * SAMPLE_RATE_HZ)]))
+    assert not [e for e in session.events_to_send() if isinstance(e, FinalMessage)]
 
 
 def test_speech_after_an_early_end_of_text_is_decoded_again(speech_dir: Path) -> None:
