@@ -37,6 +37,40 @@ def test_agreement_is_still_required_with_enough_context() -> None:
     assert [w.text for w in policy.tentative] == [" father"]
 
 
+def test_decodes_that_heard_almost_the_same_audio_do_not_agree() -> None:
+    """A decode ending less than ``min_agreement_step_s`` after the last one that voted is
+    shown but does not vote; agreement comes from decodes that heard different audio."""
+    policy = CommitPolicy(
+        CommitConfig(min_right_context_s=0.0, min_window_s=0.0, min_agreement_step_s=0.6)
+    )
+    first = words(("his", 0.0, 0.3), ("followed", 0.3, 0.8))
+    second = words(("his", 0.0, 0.3), ("father", 0.3, 0.8))
+    assert policy.update(first, window_start_s=0.0, window_end_s=3.0, closing=False) == []
+    # 0.3 s later: the same words again, but no vote.
+    assert policy.update(first, window_start_s=0.0, window_end_s=3.3, closing=False) == []
+    assert [w.text for w in policy.tentative] == [" his", " followed"]
+    # 0.6 s after the first: it votes; only what both voting decodes said commits.
+    committed = policy.update(second, window_start_s=0.0, window_end_s=3.6, closing=False)
+    assert [w.text for w in committed] == [" his"]
+    assert [w.text for w in policy.tentative] == [" father"]
+
+
+def test_a_closing_decode_always_votes_and_finalize_takes_the_newest_shown_words() -> None:
+    config = CommitConfig(min_right_context_s=0.0, min_window_s=0.0, min_agreement_step_s=0.6)
+    policy = CommitPolicy(config)
+    first = words(("his", 0.0, 0.3), ("followed", 0.3, 0.8))
+    second = words(("his", 0.0, 0.3), ("father", 0.3, 0.8))
+    policy.update(first, window_start_s=0.0, window_end_s=3.0, closing=False)
+    committed = policy.update(second, window_start_s=0.0, window_end_s=3.1, closing=True)
+    assert [w.text for w in committed] == [" his", " father"]
+
+    policy = CommitPolicy(config)
+    policy.update(first, window_start_s=0.0, window_end_s=3.0, closing=False)
+    policy.update(second, window_start_s=0.0, window_end_s=3.2, closing=False)  # shown only
+    assert [w.text for w in policy.finalize()] == [" his", " father"]
+    assert policy.tentative == []
+
+
 def test_short_window_commits_nothing_until_it_closes() -> None:
     policy = CommitPolicy(CommitConfig(min_right_context_s=0.0, min_window_s=2.5))
     for end in (1.6, 1.9, 2.2):
