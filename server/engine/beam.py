@@ -32,7 +32,7 @@ import numpy.typing as npt
 
 from ..engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
 from .cpu_step import softmax
-from .decoder import NEG_INF, StreamingDecoder, repeated_tail
+from .decoder import NEG_INF, StreamingDecoder
 
 logger = logging.getLogger("server.engine.beam")
 
@@ -243,34 +243,15 @@ class _Search:
     ) -> list[_Hypothesis]:
         """Finish hypotheses that loop (cut where the loop began) and set aside those at the
         token cap; return the ones that go on."""
-        decoder, row, opts = self.decoder, self.row, self.options
-        v = decoder.vocab
+        decoder, row = self.decoder, self.row
         going: list[_Hypothesis] = []
         for h in live:
-            text = [t for t in (*row.full, *h.tokens) if t < v.eot]
-            cut = repeated_tail(
-                text,
-                opts.repetition_max_ngram,
-                opts.repetition_min_repeats,
-                opts.repetition_phrase_tokens,
-            )
-            if cut is not None:
-                full = decoder._truncate_text([*row.full, *h.tokens], cut)
-                kept = len(full) - len(row.full)
-                restarted = text[cut : 2 * cut] == text[:cut]
-                stop = (
-                    StopReason.REPEAT_AT_END
-                    if restarted or decoder._reached_end(full, row.max_ts)
-                    else StopReason.REPETITION
-                )
+            looped = decoder._loop_cut([*row.full, *h.tokens], self.options, row.max_ts)
+            if looped is not None:
+                full, stop = looped
+                kept = max(0, len(full) - len(row.full))
                 finished.append(
-                    _Hypothesis(
-                        h.tokens[: max(0, kept)],
-                        h.logprobs[: max(0, kept)],
-                        h.sum_logprob,
-                        h.parent,
-                        stop,
-                    )
+                    _Hypothesis(h.tokens[:kept], h.logprobs[:kept], h.sum_logprob, h.parent, stop)
                 )
             elif len(h.tokens) >= row.max_new:
                 capped.append(replace(h, stop=StopReason.MAX_TOKENS))

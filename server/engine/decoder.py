@@ -690,25 +690,35 @@ class StreamingDecoder:
         row.generated.append(tok)
         row.full.append(tok)
         row.token_logprobs.append(logprob)
-        text_only = [t for t in row.full if t < v.eot]
+        looped = self._loop_cut(row.full, opts, row.max_ts)
+        if looped is not None:
+            row.full, row.stop = looped
+            row.done = True
+        elif len(row.generated) >= row.max_new:
+            row.done = True
+        return tok
+
+    def _loop_cut(
+        self, seq: list[int], opts: DecodeOptions, max_ts: int
+    ) -> tuple[list[int], StopReason] | None:
+        """When the text of ``seq`` ends in a loop: ``seq`` cut where the loop began, and
+        why it stopped; None otherwise."""
+        text_only = [t for t in seq if t < self.vocab.eot]
         cut = repeated_tail(
             text_only,
             opts.repetition_max_ngram,
             opts.repetition_min_repeats,
             opts.repetition_phrase_tokens,
         )
-        if cut is not None:
-            row.full = self._truncate_text(row.full, cut)
-            row.done = True
-            row.stop = StopReason.REPETITION
-            # Starting the whole transcript over means the first copy covered the audio; so
-            # do timestamps that reached its end.
-            restarted = text_only[cut : 2 * cut] == text_only[:cut]
-            if restarted or self._reached_end(row.full, row.max_ts):
-                row.stop = StopReason.REPEAT_AT_END
-        elif len(row.generated) >= row.max_new:
-            row.done = True
-        return tok
+        if cut is None:
+            return None
+        kept = self._truncate_text(seq, cut)
+        # Starting the whole transcript over means the first copy covered the audio; so do
+        # timestamps that reached its end.
+        restarted = text_only[cut : 2 * cut] == text_only[:cut]
+        if restarted or self._reached_end(kept, max_ts):
+            return kept, StopReason.REPEAT_AT_END
+        return kept, StopReason.REPETITION
 
     def _filter(
         self,
