@@ -6,8 +6,6 @@ Helpers that are not fixtures live in ``tests/helpers.py``.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -16,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 import pytest_asyncio
 
-from tests.helpers import ManifestRow, find_speech_dir, load_clip, read_manifest
+from tests.helpers import ManifestRow, decoded_once, find_speech_dir, load_clip, read_manifest
 
 if TYPE_CHECKING:
     from server.engine.engine import Engine
@@ -94,20 +92,6 @@ def offline_text(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Ca
         return texts[path]
 
     return text
-
-
-def decoded_once(folder: Path, path: Path, decode: Callable[[Path], str]) -> str:
-    """``decode(path)``, kept in ``folder`` for the other worker processes; a lock file makes
-    a second asker wait for the first one's transcript instead of decoding it again."""
-    key = hashlib.sha1(str(path.resolve()).encode()).hexdigest()
-    done = folder / f"{key}.txt"
-    with (folder / f"{key}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.is_file():
-            partial = folder / f"{key}.part"
-            partial.write_text(decode(path), encoding="utf-8")
-            partial.replace(done)
-        return done.read_text(encoding="utf-8")
 
 
 @pytest.fixture(scope="session")

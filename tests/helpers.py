@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import csv
+import fcntl
+import hashlib
 import json
 import os
 import threading
@@ -343,3 +345,17 @@ def metric_value(text: str, sample: str) -> float:
         if line.startswith(sample + " "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def decoded_once(folder: Path, path: Path, decode: Callable[[Path], str]) -> str:
+    """``decode(path)``, kept in ``folder`` for the other worker processes; a lock file makes
+    a second asker wait for the first one's transcript instead of decoding it again."""
+    key = hashlib.sha1(str(path.resolve()).encode()).hexdigest()
+    done = folder / f"{key}.txt"
+    with (folder / f"{key}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            partial = folder / f"{key}.part"
+            partial.write_text(decode(path), encoding="utf-8")
+            partial.replace(done)
+        return done.read_text(encoding="utf-8")
