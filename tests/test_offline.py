@@ -4,6 +4,7 @@ the temperature fallback, on the real tiny.en model."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,7 +14,7 @@ from server.engine.offline import (
     needs_fallback,
     transcribe_audio,
 )
-from server.engine_api import DecodeOptions, DecodeResult, StopReason, Window
+from server.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
 from tests.helpers import load_clip, wer
 
 
@@ -33,18 +34,24 @@ def _result(stop: StopReason, avg_logprob: float = -0.3) -> DecodeResult:
 
 
 class CountingEngine:
-    """The real engine, recording the temperature of every window it decodes."""
+    """The real engine, recording the temperature of every window it decodes and how many
+    windows it encodes."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.temperatures: list[float] = []
+        self.encoded = 0
 
     def features(self, audio: object, frames: int | None = None) -> object:
         return self.engine.features(audio, frames)  # type: ignore[arg-type]
 
-    def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
-        self.temperatures += [w.request.options.temperature for w in windows]
-        return self.engine.decode_windows(windows)
+    def encode(self, mels: list[Any]) -> list[Any]:
+        self.encoded += len(mels)
+        return self.engine.encode(mels)
+
+    def decode_encoded(self, requests: list[DecodeRequest], feats: list[Any]) -> list[DecodeResult]:
+        self.temperatures += [r.options.temperature for r in requests]
+        return self.engine.decode_encoded(requests, feats)
 
 
 def test_fallback_is_for_loops_and_doubtful_text_never_for_silence() -> None:
@@ -90,6 +97,7 @@ def test_a_doubtful_window_is_sampled_at_each_temperature_in_turn(
     options = DecodeOptions(word_timestamps=False, logprob_threshold=0.0)
     transcript = transcribe_audio(counting, audio, options, FALLBACK_TEMPERATURES)  # type: ignore[arg-type]
     assert counting.temperatures == list(FALLBACK_TEMPERATURES)
+    assert counting.encoded == 1  # one encoder pass serves every temperature
     assert "country" in transcript.text.lower()
 
 

@@ -52,14 +52,13 @@ def decode_with_fallback(
     engine: Engine, window: Window, temperatures: Sequence[float]
 ) -> tuple[DecodeResult, float]:
     """The window decoded at the first temperature whose result needs no fallback (else at
-    the last one), and that temperature."""
+    the last one), and that temperature. The window is encoded once for all of them."""
     options = window.request.options
+    feats = engine.encode([window.mel])
     result: DecodeResult | None = None
     for t in temperatures:
         opts = replace(options, temperature=t, beam_size=1 if t > 0 else options.beam_size)
-        result = engine.decode_windows(
-            [replace(window, request=replace(window.request, options=opts))]
-        )[0]
+        result = engine.decode_encoded([replace(window.request, options=opts)], feats)[0]
         if not needs_fallback(result, opts):
             return result, t
         logger.debug(
