@@ -62,6 +62,7 @@ from bench.accuracy_metrics import (
     pooled,
     table,
 )
+from bench.corpus import read_manifest
 from bench.engine import RESULTS, Float32Array, load_speech, speech_dir, write_results
 from bench.replay import WhisperwireAdapter, replay
 from bench.server_process import ServerProcess, free_port, http_ok
@@ -73,7 +74,6 @@ from server.engine_api import DecodeOptions
 from server.messages import SpeechStartedMessage
 from server.policy import CommitConfig
 from server.session import DecodeJob
-from tests.helpers import read_manifest
 
 # The offline references by name: None is transcribe_audio's own default (greedy, as the
 # harness has always decoded); beam5 is OpenAI Whisper's default beam search.
@@ -235,7 +235,9 @@ async def stream_through_server(clips: list[tuple[str, str]]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit", type=int, default=0, help="first N short clips only")
-    parser.add_argument("--match", default="", help="only clips whose path contains this")
+    parser.add_argument(
+        "--match", default="", help="only clips (and long recordings) whose path contains this"
+    )
     parser.add_argument("--no-long", action="store_true", help="skip the long recordings")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=JSON")
     parser.add_argument("--out", default="accuracy")
@@ -271,7 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     long = (
         []
         if args.no_long
-        else [r for r in read_manifest(folder / "manifest_long.tsv") if r.language == "en"]
+        else [
+            r
+            for r in read_manifest(folder / "manifest_long.tsv")
+            if r.language == "en" and args.match in r.file
+        ]
     )
     cache = read_offline_cache(args.offline_cache)
     references = ("greedy",) if args.no_beam else OFFLINE

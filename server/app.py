@@ -31,35 +31,28 @@ import logging
 import secrets
 import signal
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
-from .adapters import Adapter
+from .apis import STREAM_APIS
 from .config import PipelineConfig, ServerConfig, StreamingConfig, VadConfig
-from .connection import SHUTDOWN, Connection, V1Adapter, close_quietly, refuse
-from .deepgram_live import LISTEN_PATH, DeepgramAdapter
+from .connection import SHUTDOWN, Connection, close_quietly, refuse
 from .engine_api import SpeechEngine
 from .messages import MAX_TEXT_MESSAGE_BYTES
 from .metrics import Metrics
-from .openai_realtime import REALTIME_PATH, RealtimeAdapter
 from .pipeline import Pipeline
-from .routes import STREAM_PATH, process_request
+from .routes import process_request
+from .v1_stream import STREAM_PATH
 
 logger = logging.getLogger("server.app")
 
 # Frames up to max_frame_bytes + this reach our own check, which answers with an error message
 # before closing 1009; larger ones are cut off by websockets itself (1009 without a message).
 FRAME_SIZE_SLACK_BYTES = 64 * 1024
-# The API each stream path speaks; routes.py let only these paths' handshakes through.
-ADAPTERS: Mapping[str, Callable[[], Adapter]] = {
-    STREAM_PATH: V1Adapter,
-    REALTIME_PATH: RealtimeAdapter,
-    LISTEN_PATH: DeepgramAdapter,
-}
 
 
 # --------------------------------------------------------------------------- the server
@@ -312,7 +305,8 @@ class WhisperwireServer:
         session_id = secrets.token_hex(6)
         log = logging.LoggerAdapter(logger, {"session_id": session_id})
         path = urlsplit(ws.request.path if ws.request is not None else "").path
-        adapter = ADAPTERS.get(path, V1Adapter)()
+        # routes.py lets only the handshakes of the APIs' paths through
+        adapter = STREAM_APIS[path if path in STREAM_APIS else STREAM_PATH].adapter()
         if self._closing or not self.pipeline.ready:
             await close_quietly(ws, 1001, "server shutting down", self.config.close_timeout_s)
             return

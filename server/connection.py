@@ -9,7 +9,7 @@ Close codes: 1000 after ``done``; 1001 on server shutdown (after ``done``); 1003
 error (the server's catch-all); 1013 server full or session too long.
 
 What the client says and is told goes through an ``Adapter`` (``adapters.py``): protocol v1
-(``V1Adapter``, here) on ``/v1/stream``, or another vendor's API translated onto the same
+(``v1_stream.py``) on ``/v1/stream``, or another vendor's API translated onto the same
 session, so every API shares this machinery.
 
 Everything about one client lives here and on its ``Session``, never on the server.
@@ -20,29 +20,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
-from websockets.http11 import Request
 
 from .adapters import Adapter, SessionSettings
 from .config import ServerConfig, StreamingConfig, VadConfig
-from .errors import ProtocolError, StreamError
-from .formats import AudioFormat
-from .messages import ErrorMessage, ReadyMessage, ServerMessage
+from .errors import StreamError
+from .messages import ReadyMessage
 from .metrics import Metrics
-from .pipeline import DriverOutcome, Pipeline, StreamDriver
+from .pipeline import Pipeline
 from .session import Session
+from .stream_driver import DriverOutcome, StreamDriver
+from .v1_stream import V1Adapter
 
 logger = logging.getLogger("server.connection")
 
 MAX_CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's payload is at most 125 bytes
-QUERY_FIELDS = ("sample_rate", "encoding", "language", "task")
 
 
 @dataclass(frozen=True)
@@ -104,67 +101,6 @@ async def refuse(
     with contextlib.suppress(ConnectionClosed, asyncio.TimeoutError):
         await asyncio.wait_for(send_all(), timeout_s)
     await close_quietly(ws, close_code, message, timeout_s)
-
-
-class V1Adapter:
-    """Protocol v1 (``docs/protocol.md``): the session's own messages, as they are."""
-
-    def open_session(self, settings: SessionSettings, request: Request | None) -> Session:
-        """A session configured from the URL query; raises ProtocolError (1008) for bad
-        values. The query takes the same fields, and gets the same checks, as ``config``."""
-        session = Session(
-            settings.session_id,
-            audio_format=AudioFormat(),
-            streaming=settings.streaming,
-            vad=settings.vad,
-            multilingual=settings.multilingual,
-        )
-        params = parse_qs(urlsplit(request.path if request else "").query)
-        fields: dict[str, Any] = {}
-        for key in QUERY_FIELDS:
-            values = params.get(key)
-            if not values:
-                continue
-            value = values[-1]
-            if key == "sample_rate":
-                if not value.isdigit() or len(value) > 6:
-                    raise ProtocolError(
-                        f"query parameter 'sample_rate' must be an integer; got {value[:20]!r}",
-                        close_code=1008,
-                    )
-                fields[key] = int(value)
-            else:
-                fields[key] = value
-        if fields:
-            try:
-                session.receive_text(json.dumps({"type": "config", **fields}))
-            except ProtocolError as exc:
-                raise ProtocolError(f"in the URL query: {exc}", close_code=1008) from exc
-        session.events_to_send()  # configuring emits nothing; start from a clean slate
-        return session
-
-    def receive(self, frame: str | bytes, driver: StreamDriver) -> None:
-        """Text frames are messages, binary frames audio."""
-        if isinstance(frame, str):
-            driver.receive_text(frame)
-        else:
-            driver.receive_audio(frame)
-
-    def render(self, message: ServerMessage) -> list[str]:
-        """The message's own JSON."""
-        return [message.to_json()]
-
-    def error_message(
-        self,
-        code: str,
-        message: str,
-        *,
-        fatal: bool,
-        audio_received_s: float,
-        cause: StreamError | None = None,
-    ) -> ErrorMessage:
-        """v1's ``error``."""
-        return ErrorMessage(code, message, fatal, audio_received_s)
 
 
 class Connection:

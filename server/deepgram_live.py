@@ -36,24 +36,19 @@ from urllib.parse import parse_qs, urlsplit
 
 from websockets.http11 import Request
 
-from .adapters import AdapterEvent, SessionSettings, Settled, TurnSession
+from .adapters import SessionSettings, StreamApi
 from .errors import ProtocolError, StreamError
 from .formats import MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, AudioFormat
 from .messages import (
-    AUTO_LANGUAGE,
-    ConfigMessage,
     DoneMessage,
-    EndMessage,
     ErrorMessage,
     FinalMessage,
-    FlushMessage,
     PartialMessage,
-    ServerMessage,
     SpeechEndedMessage,
     SpeechStartedMessage,
 )
-from .pipeline import StreamDriver
-from .session import Session
+from .session import Session, Settled
+from .stream_driver import AdapterEvent, Outgoing, StreamDriver
 
 LISTEN_PATH = "/v1/listen"
 AUTH_SCHEMES = ("token", "bearer")  # Deepgram's API keys, and its temporary tokens
@@ -196,9 +191,11 @@ class _Finalize(AdapterEvent):
 class _UtteranceEnd(AdapterEvent):
     """The audio ran ``utterance_end_ms`` past the last final word, which ended at ``end``."""
 
+    end: float = 0.0
+
 
 class DeepgramAdapter:
-    """Deepgram live transcription on a ``TurnSession``."""
+    """Deepgram live transcription on a ``Session``."""
 
     def __init__(self) -> None:
         self._settings: SessionSettings | None = None
@@ -225,19 +222,17 @@ class DeepgramAdapter:
         vad = settings.vad
         if options.endpointing and options.endpointing_ms > vad.speech_end_silence_ms:
             vad = dataclasses.replace(vad, speech_end_silence_ms=options.endpointing_ms)
-        session = TurnSession(
+        session = Session(
             settings.session_id,
             audio_format=AudioFormat(sample_rate_hz=options.sample_rate_hz),
             streaming=settings.streaming,
             vad=vad,
             multilingual=settings.multilingual,
         )
-        language = AUTO_LANGUAGE if options.language is None else options.language
         try:
-            session.receive_text(ConfigMessage(language=language).to_json())
+            session.configure(dataclasses.replace(session.settings, language=options.language))
         except ProtocolError as exc:
             raise ProtocolError(str(exc), close_code=1008) from exc
-        session.events_to_send()
         return session
 
     # -- client messages -------------------------------------------------------------------
@@ -249,7 +244,7 @@ class DeepgramAdapter:
             data = self._odd_byte + frame
             whole = len(data) - len(data) % 2
             self._odd_byte = data[whole:]
-            driver.receive_audio(data[:whole])
+            driver.feed_audio(data[:whole])
             self._check_utterance_end(driver)
             return
         try:
@@ -262,10 +257,10 @@ class DeepgramAdapter:
         if kind == "KeepAlive":
             return  # the frame itself keeps the session from its idle timeout
         if kind == "Finalize":
-            driver.receive_text(FlushMessage().to_json())
+            driver.flush()
             driver.send(_Finalize(audio_received_s=driver.session.audio_received_s))
         elif kind == "CloseStream":
-            driver.receive_text(EndMessage().to_json())
+            driver.end()
         else:
             name = kind[:40] if isinstance(kind, str) else kind
             raise ProtocolError(
@@ -282,7 +277,7 @@ class DeepgramAdapter:
             driver.send(_UtteranceEnd(end=due, audio_received_s=driver.session.audio_received_s))
 
     # -- server messages -------------------------------------------------------------------
-    def render(self, message: ServerMessage) -> list[str]:
+    def render(self, message: Outgoing) -> list[str]:
         """Deepgram's messages for one session message."""
         if isinstance(message, Settled):
             return self._settle()
@@ -459,6 +454,14 @@ class DeepgramAdapter:
     ) -> ErrorMessage:
         """v1's error; ``render`` gives it Deepgram's shape."""
         return ErrorMessage(code, message, fatal, audio_received_s)
+
+
+API = StreamApi(
+    path=LISTEN_PATH,
+    auth_schemes=AUTH_SCHEMES,
+    adapter=DeepgramAdapter,
+    problem=handshake_problem,
+)
 
 
 def _plain(word: str) -> str:

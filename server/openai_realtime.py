@@ -34,23 +34,19 @@ from urllib.parse import parse_qs, urlsplit
 
 from websockets.http11 import Request
 
-from .adapters import AdapterEvent, SessionSettings, Settled, TurnSession
+from .adapters import SessionSettings, StreamApi
 from .errors import ProtocolError, StreamError
 from .formats import MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, AudioFormat
 from .messages import (
-    AUTO_LANGUAGE,
-    ConfigMessage,
     DoneMessage,
     ErrorMessage,
     FinalMessage,
-    FlushMessage,
     ReadyMessage,
-    ServerMessage,
     SpeechEndedMessage,
     SpeechStartedMessage,
 )
-from .pipeline import StreamDriver
-from .session import Session
+from .session import Session, Settled
+from .stream_driver import AdapterEvent, Outgoing, StreamDriver
 
 REALTIME_PATH = "/v1/realtime"
 DEFAULT_RATE_HZ = 24_000  # OpenAI's PCM16 is 24 kHz; the session resamples it to 16 kHz
@@ -152,7 +148,7 @@ class _Turn:
 
 
 class RealtimeAdapter:
-    """OpenAI Realtime transcription on a ``TurnSession``."""
+    """OpenAI Realtime transcription on a ``Session``."""
 
     def __init__(self) -> None:
         self._settings: SessionSettings | None = None
@@ -176,16 +172,16 @@ class RealtimeAdapter:
         self._settings = settings
         headers = request.headers if request is not None else None
         self._beta = headers is not None and BETA_VALUE in headers.get(BETA_HEADER, "")
-        language = settings.streaming.language if settings.multilingual else "en"
-        self._config = _Config(language=language)
         self._vad_ms = (settings.vad.speech_pad_ms, settings.vad.speech_end_silence_ms)
-        return TurnSession(
+        session = Session(
             settings.session_id,
             audio_format=AudioFormat(sample_rate_hz=DEFAULT_RATE_HZ),
             streaming=settings.streaming,
             vad=settings.vad,
             multilingual=settings.multilingual,
         )
+        self._config = _Config(language=session.language)
+        return session
 
     # -- client events ---------------------------------------------------------------------
     def receive(self, frame: str | bytes, driver: StreamDriver) -> None:
@@ -213,7 +209,7 @@ class RealtimeAdapter:
                     code="input_audio_buffer_commit_empty",
                 )
             self._uncommitted = False
-            driver.receive_text(FlushMessage().to_json())
+            driver.flush()
             driver.send(_Commit(audio_received_s=driver.session.audio_received_s))
         elif kind == "input_audio_buffer.clear":
             _reject_unknown(event, ("type", "event_id"), "")
@@ -221,7 +217,7 @@ class RealtimeAdapter:
             if flushed:
                 # The audio cannot be taken back from the stream; its segment is closed here
                 # and its text dropped when it comes.
-                driver.receive_text(FlushMessage().to_json())
+                driver.flush()
             self._uncommitted = False
             driver.send(_Clear(audio_received_s=driver.session.audio_received_s, flushed=flushed))
         elif kind in UNSUPPORTED_EVENTS:
@@ -256,7 +252,7 @@ class RealtimeAdapter:
         whole = len(data) - len(data) % 2
         self._odd_byte = data[whole:]
         if whole:
-            driver.receive_audio(data[:whole])
+            driver.feed_audio(data[:whole])
             self._uncommitted = True
             self._appended = True
 
@@ -274,33 +270,32 @@ class RealtimeAdapter:
         )
 
     def _apply(self, wanted: _Config, driver: StreamDriver) -> None:
-        current = self._config
-        if self._settings is not None and not self._settings.multilingual:
-            # An English-only model detects nothing: "any language" is English.
-            wanted = dataclasses.replace(wanted, language=wanted.language or "en")
-        fields: dict[str, Any] = {}
-        if wanted.rate_hz != current.rate_hz:
-            fields["sample_rate_hz"] = wanted.rate_hz
-        if wanted.language != current.language:
-            fields["language"] = AUTO_LANGUAGE if wanted.language is None else wanted.language
-        if fields:
+        current = driver.settings
+        try:
+            settings = driver.session.resolve(
+                dataclasses.replace(
+                    current,
+                    audio_format=dataclasses.replace(
+                        current.audio_format, sample_rate_hz=wanted.rate_hz
+                    ),
+                    language=wanted.language,
+                )
+            )
+        except ProtocolError as exc:
+            raise RealtimeRequestError(
+                str(exc), param="session.audio.input.transcription.language"
+            ) from exc
+        if settings != current:
             if self._appended:
                 raise RealtimeRequestError(
                     "the audio format and language cannot change after audio was appended",
                     param="session.audio.input",
                 )
-            try:
-                driver.receive_text(ConfigMessage(**fields).to_json())
-            except ProtocolError as exc:
-                raise RealtimeRequestError(
-                    str(exc), param="session.audio.input.transcription.language"
-                ) from exc
-            language = driver.session.language
-            wanted = _Config(wanted.rate_hz, language, wanted.server_vad)
-        self._config = wanted
+            driver.configure(settings)
+        self._config = _Config(wanted.rate_hz, settings.language, wanted.server_vad)
 
     # -- server events ---------------------------------------------------------------------
-    def render(self, message: ServerMessage) -> list[str]:
+    def render(self, message: Outgoing) -> list[str]:
         """OpenAI's server events for one session message."""
         if isinstance(message, ReadyMessage):
             if self._created:
@@ -502,6 +497,14 @@ class RealtimeAdapter:
 
 
 # --------------------------------------------------------------------------- parsing
+
+
+API = StreamApi(
+    path=REALTIME_PATH,
+    auth_schemes=("bearer",),
+    adapter=RealtimeAdapter,
+    problem=handshake_problem,
+)
 
 
 def _parse_event(text: str) -> dict[str, Any]:

@@ -9,9 +9,8 @@
 ``Pipeline`` is shared by all connections: it owns the engine, the feature threads, the
 scheduler and the decode lanes (``server.lanes``): this process's decode thread, and one
 child process per further lane, so that each core decodes a batch of its own.
-``StreamDriver`` belongs to one connection: it takes the session's next job, sends it
-through the pipeline, folds the result back into the session and queues the session's
-messages in a bounded outbox for the connection to send.
+Each connection's ``StreamDriver`` (``server.stream_driver``) takes its session's next job,
+sends it through the pipeline and folds the result back into the session.
 
 Back-pressure and bounds: a session has at most one job in flight, the scheduler's queue holds
 at most ``PipelineConfig.max_queued_windows`` windows (``enqueue`` waits for a free slot), and
@@ -37,7 +36,6 @@ are its features final. A stream that waited for a lane is decoded up to the pre
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import heapq
 import itertools
@@ -58,9 +56,8 @@ from .errors import DecodeError
 from .formats import SAMPLE_RATE_HZ
 from .lanes import LaneLost, ProcessLane, ThreadLane
 from .lanes import settle_future as _settle
-from .messages import EndMessage, ErrorMessage, ServerMessage
 from .metrics import Metrics
-from .session import DecodeJob, Session
+from .session import DecodeJob
 
 logger = logging.getLogger("server.pipeline")
 
@@ -606,157 +603,3 @@ def _decode_alone(engine: SpeechEngine, window: Window) -> _Outcome:
     except Exception as exc:  # isolated to this window; see _decode_batch
         logger.warning("decode of one window failed: %s", exc)
         return _as_decode_error(exc)
-
-
-# --------------------------------------------------------------------------- one stream
-
-
-class DriverOutcome(enum.Enum):
-    """How a stream's driver finished (``StreamDriver.outcome``)."""
-
-    DONE = "done"  # the session emitted ``done``: every word is final
-    OVERFLOW = "overflow"  # the outbox was full: the client does not read its messages
-
-
-class StreamDriver:
-    """Moves one session's jobs through the pipeline and its messages to a bounded outbox.
-
-    The connection feeds ``receive_audio`` / ``receive_text`` (they raise the session's
-    ``StreamError``), sends what appears in ``outbox``, and awaits ``outcome``: it resolves
-    to a ``DriverOutcome``, or holds the exception of a bug in the session (the connection
-    then closes with 1011). Runs on the event loop; not thread-safe.
-    """
-
-    def __init__(
-        self, session: Session, pipeline: Pipeline, *, max_pending_messages: int = 512
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        self.session = session
-        self.pipeline = pipeline
-        self.outbox: asyncio.Queue[ServerMessage] = asyncio.Queue(maxsize=max_pending_messages)
-        self.outcome: asyncio.Future[DriverOutcome] = loop.create_future()
-        self.log = logging.LoggerAdapter(logger, {"session_id": session.session_id})
-        self._decoding: asyncio.Task[None] | None = None
-        self._closed = False
-        self._overflowed = False
-        self._registered = True
-        pipeline.add_stream()
-        pipeline.offer_seats(self._take_seat)
-
-    # -- input -----------------------------------------------------------------------------
-    def receive_audio(self, data: bytes) -> None:
-        """One binary frame. Raises the session's ``StreamError`` for bad audio."""
-        try:
-            self.session.receive_audio(data)
-        finally:
-            self._advance()
-
-    def receive_text(self, text: str) -> None:
-        """One text frame. Raises the session's ``StreamError`` for a bad message."""
-        try:
-            self.session.receive_text(text)
-        finally:
-            self._advance()
-
-    def end(self) -> None:
-        """Finish the stream as if the client had sent ``end`` (shutdown, limits)."""
-        if not self.session.ended:
-            self.session.receive_text(EndMessage().to_json())
-        self._advance()
-
-    def send(self, message: ServerMessage) -> None:
-        """Queue a message of the connection's own (``ready``, an ``error``) after the
-        session's pending ones."""
-        self._flush()
-        self._put(message)
-
-    async def close(self) -> None:
-        """Abandon the stream (the client is gone or the connection is closing): cancel the
-        decode in flight and stop producing messages."""
-        self._closed = True
-        self._unregister()
-        task = self._decoding
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task})
-
-    # -- the job loop ----------------------------------------------------------------------
-    def _advance(self) -> None:
-        if self._closed:
-            return
-        self._flush()
-        if self._decoding is None:
-            job = self.session.next_job(
-                min_hop_s=self.pipeline.stream_hop_s(), crowded=self.pipeline.crowded
-            )
-            if job is not None:
-                self._decoding = asyncio.create_task(
-                    self._decode(job), name=f"decode-{self.session.session_id}-{job.job_id}"
-                )
-            # Asking for a job can emit messages too: finals of a forced cut, or done when
-            # only an empty segment was left.
-            self._flush()
-        if self.session.done:
-            self._finish(DriverOutcome.DONE)
-
-    def _refresh_job(self, job: DecodeJob) -> DecodeJob:
-        return self.session.refresh_job(job, crowded=self.pipeline.crowded)
-
-    def _take_seat(self) -> None:
-        """A batch is being gathered: queue a window now if the session has one ready."""
-        try:
-            self._advance()
-        except Exception as exc:
-            # A bug in the session, as in ``_decode``: the connection closes with 1011.
-            if not self.outcome.done():
-                self.outcome.set_exception(exc)
-
-    async def _decode(self, job: DecodeJob) -> None:
-        try:
-            try:
-                result = await self.pipeline.decode(job, refresh=self._refresh_job)
-            except Exception as exc:
-                # DecodeError, or anything else the engine raised: this job fails, the
-                # session reports it to its client and goes on.
-                self.log.warning("decode of job %d failed: %s", job.job_id, exc)
-                self.session.receive_failure(job, exc)
-            else:
-                self.session.receive_result(job, result)
-            self._decoding = None
-            self._advance()
-        except Exception as exc:
-            # A bug in the session: hand it to the connection, whose catch-all logs it and
-            # closes with 1011. Other sessions are not affected.
-            self._decoding = None
-            if not self.outcome.done():
-                self.outcome.set_exception(exc)
-
-    # -- output ----------------------------------------------------------------------------
-    def _flush(self) -> None:
-        for message in self.session.events_to_send():
-            self._put(message)
-
-    def _put(self, message: ServerMessage) -> None:
-        if self._overflowed:
-            return  # the client is being dropped; nothing more is queued for it
-        if isinstance(message, ErrorMessage):
-            self.pipeline.metrics.errors.inc(1, message.code)
-        try:
-            self.outbox.put_nowait(message)
-        except asyncio.QueueFull:
-            self.log.warning(
-                "client is not reading: %d messages pending; dropping it", self.outbox.qsize()
-            )
-            self._overflowed = True
-            self._finish(DriverOutcome.OVERFLOW)
-
-    def _unregister(self) -> None:
-        if self._registered:
-            self._registered = False
-            self.pipeline.withdraw(self._take_seat)
-            self.pipeline.remove_stream()
-
-    def _finish(self, outcome: DriverOutcome) -> None:
-        self._unregister()
-        if not self.outcome.done():
-            self.outcome.set_result(outcome)

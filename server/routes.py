@@ -2,8 +2,8 @@
 
 websockets hands every request to ``process_request`` before any WebSocket handshake; a
 ``Response`` answers it there, None lets the handshake on a stream path go on. The stream
-paths (``STREAM_PATH`` and the vendor APIs of ``STREAM_APIS``) are checked here too
-(readiness, API key, Origin, the API's own query), so a refused client gets an HTTP status
+paths (the APIs of ``server.apis``) are checked here too (readiness, API key, Origin, the
+API's own query), so a refused client gets an HTTP status
 rather than a WebSocket that closes at once.
 
 The page's files are package data of ``server`` (``server/web``).
@@ -14,8 +14,6 @@ from __future__ import annotations
 import email.utils
 import importlib.resources
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -23,29 +21,12 @@ from urllib.parse import urlsplit
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from . import deepgram_live, openai_realtime
 from .access import api_key_offered, origin_allowed
+from .apis import STREAM_APIS
 from .config import ServerConfig
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 
-STREAM_PATH = "/v1/stream"
-
-
-@dataclass(frozen=True)
-class StreamApi:
-    """A vendor API served on its own path: how its handshake is checked."""
-
-    auth_schemes: tuple[str, ...]  # Authorization schemes that carry the API key
-    problem: Callable[[Request], str | None]  # why the request is refused with 400, or None
-
-
-STREAM_APIS: Mapping[str, StreamApi] = {
-    openai_realtime.REALTIME_PATH: StreamApi(("bearer",), openai_realtime.handshake_problem),
-    deepgram_live.LISTEN_PATH: StreamApi(
-        deepgram_live.AUTH_SCHEMES, deepgram_live.handshake_problem
-    ),
-}
 WEB_FOLDER = "web"  # under the server package
 _STATIC_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 CONTENT_TYPES = {
@@ -126,12 +107,10 @@ def web_file(name: str) -> tuple[bytes, str] | None:
 def process_request(server: ServerState, request: Request) -> Response | None:
     """The answer to one HTTP request, or None to go on with the stream's handshake."""
     path = urlsplit(request.path).path
-    if path == STREAM_PATH:
-        return _check_stream_request(server, request)
     api = STREAM_APIS.get(path)
     if api is not None:
         refused = _check_stream_request(server, request, api.auth_schemes)
-        if refused is not None:
+        if refused is not None or api.problem is None:
             return refused
         problem = api.problem(request)
         if problem is not None:
@@ -157,7 +136,7 @@ def process_request(server: ServerState, request: Request) -> Response | None:
 
 
 def _check_stream_request(
-    server: ServerState, request: Request, auth_schemes: tuple[str, ...] = ("bearer",)
+    server: ServerState, request: Request, auth_schemes: tuple[str, ...]
 ) -> Response | None:
     """Refuse the handshake (HTTP status) for an unready server, a bad token or Origin."""
     config, metrics = server.config, server.metrics

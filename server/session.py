@@ -1,8 +1,11 @@
 """The streaming core of one client: audio and control messages in, events and decode jobs out.
 
-No asyncio, sockets or MLX here. The caller feeds ``receive_audio`` / ``receive_text``, takes
-decode work from ``next_job`` and hands results back to ``receive_result``; server messages
-come out of ``events_to_send``. Every piece of state about the client lives on this object.
+No asyncio, sockets or MLX here. The caller makes typed calls (``configure``, ``feed_audio``,
+``flush``, ``end``), takes decode work from ``next_job`` and hands results back to
+``receive_result``; events come out of ``events_to_send``: protocol v1's server messages, and
+``Settled`` when all speech closed so far is final. No wire format is parsed here: each API's
+adapter turns its client's messages into these calls. Every piece of state about the client
+lives on this object.
 
 How text is produced:
 - webrtcvad splits the stream into speech segments (``vad.py``).
@@ -41,19 +44,14 @@ from .formats import SAMPLE_RATE_HZ, AudioFormat
 from .hypothesis import Word, normalize_word
 from .language import LanguageTracker
 from .messages import (
-    AUTO_LANGUAGE,
-    ConfigMessage,
     DoneMessage,
-    EndMessage,
     ErrorMessage,
     FinalMessage,
-    FlushMessage,
     PartialMessage,
     ServerMessage,
     SpeechEndedMessage,
     SpeechStartedMessage,
     WordInfo,
-    parse_client_message,
 )
 from .policy import CommitConfig, CommitPolicy
 from .vad import SpeechEnded, SpeechStarted, VadSegmenter
@@ -68,6 +66,27 @@ MAX_DECODE_FAILURES = 3  # per segment, before its remaining audio is given up w
 FIRST_WORDS_WINDOW_S = 3.0  # a segment without words after this decodes at the usual pace
 IDLE_KEEP_S = 1.0  # audio kept while nobody speaks, for the VAD's look-back padding
 TAIL_RETRY_S = 1.0  # speech left after a closing decode's last word that is decoded again
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """What a client chooses for its stream; each API maps its own options onto these."""
+
+    audio_format: AudioFormat = field(default_factory=AudioFormat)
+    language: str | None = "en"  # None: detected per segment (multilingual models only)
+    task: str = "transcribe"
+
+
+@dataclass(frozen=True)
+class Settled:
+    """Every segment of speech closed so far (at the end of speech, a flush or the end) is
+    finished: all of its words were sent, as finals, before this event. The APIs that speak
+    in turns (OpenAI's items, Deepgram's ``speech_final``) close a turn on it."""
+
+    audio_received_s: float
+
+
+SessionEvent = ServerMessage | Settled
 
 
 @dataclass(frozen=True)
@@ -127,20 +146,28 @@ class Session:
         multilingual: bool = False,
     ) -> None:
         self.session_id = session_id
-        self.audio_format = audio_format or AudioFormat()
         self.streaming = streaming or StreamingConfig()
         self.vad_config = vad or VadConfig()
         self.multilingual = multilingual
         self.log = logging.LoggerAdapter(logger, {"session_id": session_id})
-        self._pcm = PcmDecoder(self.audio_format, max_frame_bytes=self.streaming.max_frame_bytes)
+        self._settings = self.resolve(
+            StreamSettings(
+                audio_format=audio_format or AudioFormat(),
+                language=self.streaming.language,
+                task=self.streaming.task,
+            )
+        )
+        self._pcm = PcmDecoder(
+            self._settings.audio_format, max_frame_bytes=self.streaming.max_frame_bytes
+        )
         self._vad = VadSegmenter(self.vad_config)
         self._buffer = SampleBuffer()
-        self._events: list[ServerMessage] = []
+        self._events: list[SessionEvent] = []
         self._segments: deque[_Segment] = deque()
         self._prompt: list[int] = []
         self._prompt_ok = True
-        self._language = self.streaming.language if multilingual else "en"
         self._detector: LanguageTracker | None = None
+        self._unsettled = False  # speech was closed and a Settled is owed for it
         self._next_segment_id = 0
         self._next_job_id = 0
         self._in_flight: DecodeJob | None = None
@@ -173,15 +200,24 @@ class Session:
         return self._in_flight is not None
 
     @property
+    def settings(self) -> StreamSettings:
+        """The stream's settings in effect (``configure``)."""
+        return self._settings
+
+    @property
+    def audio_format(self) -> AudioFormat:
+        return self._settings.audio_format
+
+    @property
     def language(self) -> str | None:
         """The language asked for; None: detected per segment (``LanguageTracker``)."""
-        return self._language
+        return self._settings.language
 
     @property
     def _detecting(self) -> LanguageTracker | None:
         """The session's language tracker when it detects its language (made on first use,
         after the client's config has settled the language)."""
-        if self._language is not None:
+        if self.language is not None:
             return None
         if self._detector is None:
             self._detector = LanguageTracker(self.streaming.detection)
@@ -198,64 +234,61 @@ class Session:
         return behind / SAMPLE_RATE_HZ
 
     # -- input ---------------------------------------------------------------------------
-    def receive_audio(self, data: bytes) -> None:
-        """Accept one binary frame. Raises a StreamError subclass for bad audio."""
+    def resolve(self, settings: StreamSettings) -> StreamSettings:
+        """``settings`` as they would take effect on this model: an English-only model
+        transcribes English (no detection, no translation). Raises ProtocolError."""
+        if self.multilingual:
+            return settings
+        if settings.language not in (None, "en"):
+            raise ProtocolError(
+                f"this model is English-only; language {settings.language!r} is not available"
+            )
+        if settings.task == "translate":
+            raise ProtocolError("this model is English-only; task 'translate' is not available")
+        return dataclasses.replace(settings, language="en")
+
+    def configure(self, settings: StreamSettings) -> None:
+        """Change the stream's settings, before its first audio. Raises ProtocolError."""
+        if self._audio_started:
+            raise ProtocolError("config must come before the first audio frame")
+        if self._ended:
+            raise ProtocolError("config after end")
+        self._settings = self.resolve(settings)
+        self._pcm = PcmDecoder(
+            self._settings.audio_format, max_frame_bytes=self.streaming.max_frame_bytes
+        )
+        self._detector = None
+
+    def feed_audio(self, data: bytes) -> None:
+        """Accept audio bytes in the stream's format. Raises a StreamError subclass."""
         if self._ended:
             raise ProtocolError("audio after end", close_code=1008)
         samples = self._pcm.decode(data)
         self._audio_started = self._audio_started or len(data) > 0
         self._ingest(samples)
 
-    def receive_text(self, text: str) -> None:
-        """Accept one text frame: config, flush or end. Raises ProtocolError."""
-        message = parse_client_message(text)
-        if isinstance(message, ConfigMessage):
-            self._configure(message)
-        elif isinstance(message, FlushMessage):
-            if self._ended:
-                raise ProtocolError("flush after end")
-            self._close_open_segment(self._buffer.end, reopen=self._vad.in_speech)
-        elif isinstance(message, EndMessage):
-            if self._ended:
-                raise ProtocolError("end sent twice")
-            self._end()
-
-    def _configure(self, message: ConfigMessage) -> None:
-        if self._audio_started:
-            raise ProtocolError("config must come before the first audio frame")
+    def flush(self) -> None:
+        """Close the speech heard so far: its words all become final (then ``Settled``), and
+        speech still going on goes on in a new segment. Raises ProtocolError after ``end``."""
         if self._ended:
-            raise ProtocolError("config after end")
-        fmt = AudioFormat(
-            sample_rate_hz=message.sample_rate_hz or self.audio_format.sample_rate_hz,
-            encoding=message.encoding or self.audio_format.encoding,
-        )
-        language = self._language
-        if message.language is not None:
-            language = None if message.language == AUTO_LANGUAGE else message.language
-        if not self.multilingual and language not in (None, "en"):
-            raise ProtocolError(
-                f"this model is English-only; language {language!r} is not available"
-            )
-        if not self.multilingual and message.task == "translate":
-            raise ProtocolError("this model is English-only; task 'translate' is not available")
-        if not self.multilingual:
-            language = "en"
-        task = message.task or self.streaming.task
-        self.audio_format = fmt
-        self._pcm = PcmDecoder(fmt, max_frame_bytes=self.streaming.max_frame_bytes)
-        self._language = language
-        self.streaming = StreamingConfig(
-            **{**self.streaming.__dict__, "language": language, "task": task}
-        )
-        self._detector = None
+            raise ProtocolError("flush after end")
+        self._close_open_segment(self._buffer.end, reopen=self._vad.in_speech)
+        self._unsettled = True
+        self._settle_if_closed_finished()
 
-    def _end(self) -> None:
+    def end(self) -> None:
+        """The stream ends: everything left becomes final, then ``done``. Raises
+        ProtocolError when it was ended already."""
+        if self._ended:
+            raise ProtocolError("end sent twice")
         self._ended = True
         tail = self._pcm.flush()
         self._ingest(tail)
         for event in self._vad.flush():
             self._on_vad(event)
         self._close_open_segment(self._buffer.end, reopen=False)
+        self._unsettled = True
+        self._settle_if_closed_finished()
         self._maybe_done()
 
     def _ingest(self, samples: Float32Array) -> None:
@@ -274,6 +307,7 @@ class Session:
         else:
             self._events.append(SpeechEndedMessage(event.end_sample / SAMPLE_RATE_HZ, now_s))
             self._close_open_segment(event.end_sample, reopen=False)
+            self._unsettled = True
 
     def _new_segment(self, start: int) -> _Segment:
         return _Segment(
@@ -282,7 +316,7 @@ class Session:
             decoded_to=start,
             heard_to=start,
             policy=CommitPolicy(self._commit_config()),
-            language=self._language,
+            language=self.language,
         )
 
     def _commit_config(self) -> CommitConfig:
@@ -397,10 +431,10 @@ class Session:
         detector = self._detecting
         beam = self.streaming.closing_beam_size if closing and not crowded else 1
         if seg.language is not None or detector is None:
-            return DecodeOptions(language=seg.language, task=self.streaming.task, beam_size=beam)
+            return DecodeOptions(language=seg.language, task=self._settings.task, beam_size=beam)
         return DecodeOptions(
             language=detector.decode_language(),
-            task=self.streaming.task,
+            task=self._settings.task,
             detect_language=True,
             beam_size=beam,
         )
@@ -803,7 +837,15 @@ class Session:
             )
         self._last_partial = None
         self._segments.popleft()
+        self._settle_if_closed_finished()
         self._trim()
+
+    def _settle_if_closed_finished(self) -> None:
+        """Emit ``Settled`` once no closed segment is left to decode (segments finish in
+        order; only the last one may still be open)."""
+        if self._unsettled and (not self._segments or self._segments[0].end is None):
+            self._unsettled = False
+            self._events.append(Settled(self.audio_received_s))
 
     def _maybe_done(self) -> None:
         if self._ended and not self._done and not self._segments and self._in_flight is None:
@@ -821,7 +863,7 @@ class Session:
             )
 
     # -- output --------------------------------------------------------------------------
-    def events_to_send(self) -> list[ServerMessage]:
+    def events_to_send(self) -> list[SessionEvent]:
         """Messages produced since the last call, in order."""
         events, self._events = self._events, []
         return events

@@ -1,6 +1,7 @@
 """Session fixtures shared by the suite: real speech and one warmed engine.
 
-Helpers that are not fixtures live in ``tests/helpers.py``.
+Helpers that are not fixtures live in ``tests/helpers.py``; the speech corpus they read
+(manifest, clips, word error rate) in ``bench/corpus.py``, shared with the benchmarks.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import TYPE_CHECKING
 import pytest
 import pytest_asyncio
 
-from tests.helpers import ManifestRow, decoded_once, find_speech_dir, load_clip, read_manifest
+from bench.corpus import ManifestRow, find_speech_dir, load_clip, read_manifest
+from tests.helpers import decoded_once
 
 if TYPE_CHECKING:
     from server.engine.engine import Engine
@@ -45,7 +47,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def speech_dir() -> Path:
-    """The real-speech folder (see ``tests/helpers.find_speech_dir``); skips when absent."""
+    """The real-speech folder (see ``bench.corpus.find_speech_dir``); skips when absent."""
     found = find_speech_dir()
     if found is None:
         pytest.skip("real speech recordings (shared/speech) not found")

@@ -1,32 +1,31 @@
-"""Shared test helpers: real-speech lookup, the manifest, clip loading and word error rate;
-for the server tests, a scripted test-double engine and small WebSocket and HTTP clients."""
+"""Shared test helpers: tiny.en's dimensions and the hard-speech clips; for the server tests,
+a scripted test-double engine, PCM frames and a small WebSocket client; offline transcripts
+shared between workers.
+
+The speech corpus (manifest, clips, word error rate) is ``bench/corpus.py`` and the HTTP
+probes are ``bench/http_probe.py``: the benchmarks use them too, and ``bench/`` never
+imports ``tests/``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import csv
 import fcntl
 import hashlib
 import json
-import os
 import threading
 import time
-import wave
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
-import jiwer
 import numpy as np
 import numpy.typing as npt
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
-from whisper_normalizer.english import EnglishTextNormalizer
 
+from bench.corpus import ManifestRow
 from server.engine_api import DecodeResult, StopReason, Window, WordTiming
 from server.errors import DecodeError
 from server.formats import SAMPLE_RATE_HZ
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
     from multiprocessing.synchronize import Semaphore as SemaphoreLike
 
 REPO = Path(__file__).resolve().parents[1]
-SPEECH_ENV = "WHISPERWIRE_SPEECH_DIR"
 
 Float32Array = npt.NDArray[np.float32]
 
@@ -54,36 +52,6 @@ TINY_EN_DIMS: dict[str, int] = {
 }
 
 
-@dataclass(frozen=True)
-class ManifestRow:
-    file: str  # path relative to the speech folder
-    seconds: float
-    language: str
-    transcript: str  # exactly as the source gives it; normalise before scoring
-
-
-def find_speech_dir() -> Path | None:
-    """The real-speech folder: ``$WHISPERWIRE_SPEECH_DIR``, ``<repo>/../shared/speech`` or
-    ``<repo>/shared/speech``, the first that holds ``manifest.tsv``; None if none does."""
-    for candidate in (
-        os.environ.get(SPEECH_ENV),
-        REPO.parent / "shared" / "speech",
-        REPO / "shared" / "speech",
-    ):
-        if candidate and (Path(candidate) / "manifest.tsv").is_file():
-            return Path(candidate)
-    return None
-
-
-def read_manifest(path: Path) -> list[ManifestRow]:
-    with path.open(newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh, delimiter="\t", quoting=csv.QUOTE_NONE)
-        return [
-            ManifestRow(r["file"], float(r["seconds"]), r["language"], r["transcript"])
-            for r in reader
-        ]
-
-
 HARD_SPEECH = "librispeech_test-other"  # accented, fast or noisy readers
 
 
@@ -96,42 +64,6 @@ def hard_clips(manifest: list[ManifestRow]) -> list[ManifestRow]:
         if hard and row.seconds <= 12:
             by_chapter.setdefault(row.file.rsplit("-", 1)[0], []).append(row)
     return [max(rows, key=lambda r: r.seconds) for _, rows in sorted(by_chapter.items())]
-
-
-def load_clip(path: Path) -> Float32Array:
-    """A 16 kHz mono 16-bit WAV from the speech folder as float32 in [-1, 1)."""
-    with wave.open(str(path), "rb") as w:
-        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, SAMPLE_RATE_HZ)
-        data = w.readframes(w.getnframes())
-    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
-
-
-@lru_cache(maxsize=1)
-def _normalizer() -> EnglishTextNormalizer:
-    return EnglishTextNormalizer()
-
-
-def normalize(text: str) -> str:
-    """Whisper's English normaliser, with whitespace collapsed."""
-    return " ".join(str(_normalizer()(text)).split())
-
-
-def wer(reference: str | list[str], hypothesis: str | list[str]) -> float:
-    """Word error rate after Whisper's English normalisation of both sides.
-
-    Lists are scored as one corpus (errors summed over all words), not averaged per clip.
-    """
-    refs = [reference] if isinstance(reference, str) else list(reference)
-    hyps = [hypothesis] if isinstance(hypothesis, str) else list(hypothesis)
-    if len(refs) != len(hyps):
-        raise ValueError(f"{len(refs)} references but {len(hyps)} hypotheses")
-    norm_refs = [normalize(r) for r in refs]
-    norm_hyps = [normalize(h) for h in hyps]
-    # jiwer rejects empty references; they carry no words to get wrong, only insertions.
-    pairs = [(r, h) for r, h in zip(norm_refs, norm_hyps, strict=True) if r]
-    if not pairs:
-        raise ValueError("every reference is empty after normalisation")
-    return float(jiwer.wer([r for r, _ in pairs], [h if h else "" for _, h in pairs]))
 
 
 # --------------------------------------------------------------------------- server tests
@@ -310,41 +242,6 @@ async def stream_frames(
             pass  # the server closed first; what it sent is in messages
         await reader
         return StreamOutcome(messages, ws.close_code, ws.close_reason)
-
-
-async def http_get(
-    url: str, headers: dict[str, str] | None = None
-) -> tuple[int, dict[str, str], bytes]:
-    """A plain HTTP/1.1 GET over asyncio streams: (status, lower-cased headers, body)."""
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    path = parts.path or "/"
-    if parts.query:
-        path += "?" + parts.query
-    reader, writer = await asyncio.open_connection(host, port)
-    lines = [f"GET {path} HTTP/1.1", f"Host: {host}:{port}", "Connection: close"]
-    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-    await writer.drain()
-    raw = await reader.read()
-    writer.close()
-    await writer.wait_closed()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    status_line, *header_lines = head.decode("latin-1").split("\r\n")
-    found = {}
-    for line in header_lines:
-        name, _, value = line.partition(":")
-        found[name.strip().lower()] = value.strip()
-    return int(status_line.split()[1]), found, body
-
-
-def metric_value(text: str, sample: str) -> float:
-    """The value of one sample line (``name`` or ``name{labels}``) of a Prometheus text page;
-    0 when absent."""
-    for line in text.splitlines():
-        if line.startswith(sample + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def decoded_once(folder: Path, path: Path, decode: Callable[[Path], str]) -> str:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, http_get
+from bench.http_probe import http_get
+from tests.helpers import REPO
 
 HAPROXY_CFG = REPO / "deploy" / "haproxy" / "haproxy.cfg"
 FRONTEND = "whisperwire"  # the shipped config's frontend and backend

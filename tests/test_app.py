@@ -30,6 +30,8 @@ from hypothesis import strategies as st
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from bench.corpus import ManifestRow, load_clip, normalize, wer
+from bench.http_probe import http_get, metric_value
 from server.app import WhisperwireServer
 from server.audio import pcm_s16le_bytes
 from server.config import PipelineConfig, ServerConfig, StreamingConfig
@@ -38,19 +40,8 @@ from server.errors import ModelNotFoundError, StreamError
 from server.formats import SAMPLE_RATE_HZ
 from server.messages import MAX_TEXT_MESSAGE_BYTES
 from server.session import MAX_DECODE_FAILURES, Session
-from tests.helpers import (
-    Float32Array,
-    ManifestRow,
-    ScriptedEngine,
-    StreamOutcome,
-    http_get,
-    load_clip,
-    metric_value,
-    normalize,
-    pcm_frames,
-    stream_frames,
-    wer,
-)
+from server.v1_stream import apply_text
+from tests.helpers import Float32Array, ScriptedEngine, StreamOutcome, pcm_frames, stream_frames
 
 if TYPE_CHECKING:
     from server.engine.engine import Engine
@@ -779,9 +770,9 @@ async def test_random_frames_get_documented_errors_and_spare_other_sessions(
         wire.append(frame)
         try:
             if isinstance(frame, bytes):
-                oracle.receive_audio(frame)
+                oracle.feed_audio(frame)
             else:
-                oracle.receive_text(frame)
+                apply_text(frame, oracle)
         except StreamError as exc:
             expected.append((exc.code, exc.close_code is not None))
             if exc.close_code is not None:

@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench.corpus import load_clip
 from server.engine.beam import rank_score, search
 from server.engine.engine import Engine
 from server.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
 from server.features import N_FRAMES
 from server.formats import SAMPLE_RATE_HZ
-from tests.helpers import load_clip
 
 # Short hard clips: test-other readers tiny.en gets wrong in places, where beams disagree.
 PARITY_CLIPS = (

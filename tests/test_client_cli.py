@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import soxr
 
+from bench.corpus import ManifestRow, load_clip, read_manifest, wer
 from client.subtitles import CueConfig
-from tests.helpers import ManifestRow, load_clip, pcm_frames, read_manifest, wer
+from tests.helpers import pcm_frames
 from tests.subtitle_checks import read_srt, read_vtt, rule_violations
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

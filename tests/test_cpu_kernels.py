@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.corpus import load_clip
 from server.engine.blas import import_mlx
 from server.engine.engine import Engine
-from tests.helpers import load_clip
 
 mx = import_mlx()
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.corpus import load_clip
 from server.engine import cpu_kernels
 from server.engine.blas import import_mlx
 from server.engine.cpu_step import CpuTokenStep, gelu
 from server.engine.engine import Engine
 from server.engine_api import DecodeRequest, DecodeResult, Window
 from server.formats import SAMPLE_RATE_HZ
-from tests.helpers import load_clip
 
 mx = import_mlx()
 

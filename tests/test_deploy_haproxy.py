@@ -33,24 +33,15 @@ from playwright.async_api import async_playwright
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
+from bench.corpus import ManifestRow, load_clip, normalize, read_manifest, wer
+from bench.http_probe import http_get, metric_value
 from client.reconnect import SEAM_WORDS, RetryPolicy, stream_with_reconnect
 from client.sources import FileSource
 from client.stream import ConnectError, StreamResult, stream_audio
 from server.app import WhisperwireServer
 from server.config import ServerConfig
 from server.formats import SAMPLE_RATE_HZ
-from tests.helpers import (
-    ManifestRow,
-    ScriptedEngine,
-    http_get,
-    load_clip,
-    metric_value,
-    normalize,
-    pcm_frames,
-    read_manifest,
-    stream_frames,
-    wer,
-)
+from tests.helpers import ScriptedEngine, pcm_frames, stream_frames
 from tests.instances import (
     HAPROXY_CFG,
     Haproxy,

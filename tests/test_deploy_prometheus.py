@@ -21,9 +21,10 @@ import yaml
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
+from bench.http_probe import http_get
 from server.app import WhisperwireServer
 from server.config import ServerConfig
-from tests.helpers import Float32Array, ScriptedEngine, http_get, pcm_frames, stream_frames
+from tests.helpers import Float32Array, ScriptedEngine, pcm_frames, stream_frames
 from tests.instances import HAPROXY_CFG
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,11 +4,13 @@ modules it shares with the server stay free of MLX, webrtcvad and the websockets
 Each check runs ``python -X importtime`` in a subprocess (an import already made by pytest
 would hide it) and rebuilds the import tree from its report, so a failure names the chain
 that pulled a module in. ``python -m tests.test_imports`` prints what ``server.app`` imports
-and how MLX gets there.
+and how MLX gets there. One check reads source instead: no benchmark imports ``tests``, even
+lazily inside a function (what both need lives in ``bench/``).
 """
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import wave
@@ -78,6 +80,18 @@ def parse_importtime(report: str) -> ImportTree:
     return ImportTree(parents)
 
 
+def imported_modules(source: str) -> set[str]:
+    """The absolute modules that ``source``'s import statements name, at any depth (imports
+    inside functions too); ``from a import b`` names ``a``."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return found
+
+
 def wav_file(path: Path) -> Path:
     with wave.open(str(path), "wb") as w:
         w.setnchannels(1)
@@ -101,6 +115,27 @@ def test_parse_importtime_rebuilds_the_tree() -> None:
     tree = parse_importtime(report)
     assert tree.parents == {"c": "b", "b": "a", "d": "a", "a": None, "e": None}
     assert tree.chain("c") == ["a", "b", "c"]
+
+
+def test_imported_modules_finds_lazy_and_from_imports() -> None:
+    source = "import os, tests.helpers\nfrom . import x\ndef f():\n    from tests import helpers\n"
+    assert imported_modules(source) == {"os", "tests.helpers", "tests"}
+
+
+def test_no_benchmark_imports_the_tests() -> None:
+    """Tests may use the benchmarks' modules (``bench/corpus.py``, ``bench/http_probe.py``),
+    never the reverse: a benchmark must run without the test suite's code and its doubles."""
+    bench_files = sorted((REPO / "bench").rglob("*.py"))
+    assert bench_files
+    offenders = {
+        str(path.relative_to(REPO)): sorted(
+            m
+            for m in imported_modules(path.read_text(encoding="utf-8"))
+            if m.split(".")[0] == "tests"
+        )
+        for path in bench_files
+    }
+    assert {path: found for path, found in offenders.items() if found} == {}
 
 
 @pytest.mark.parametrize("module", SHARED)

@@ -11,6 +11,7 @@ import pytest
 from whisper_normalizer.basic import BasicTextNormalizer
 
 from bench.accuracy import modelled_cost_s
+from bench.corpus import ManifestRow, load_clip, wer
 from bench.simulate import SimulationResult, simulate
 from server.config import LanguageConfig, StreamingConfig
 from server.engine.offline import transcribe_audio
@@ -18,7 +19,6 @@ from server.engine_api import DecodeOptions
 from server.formats import SAMPLE_RATE_HZ
 from server.language import LanguageDecision, LanguageTracker
 from server.messages import DoneMessage, FinalMessage, PartialMessage
-from tests.helpers import ManifestRow, load_clip, wer
 
 if TYPE_CHECKING:
     from server.engine.engine import Engine

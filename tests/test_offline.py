@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from bench.corpus import load_clip, wer
 from server.engine.engine import Engine
 from server.engine.offline import (
     FALLBACK_TEMPERATURES,
@@ -15,7 +16,6 @@ from server.engine.offline import (
     transcribe_audio,
 )
 from server.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
-from tests.helpers import load_clip, wer
 
 
 def _result(stop: StopReason, avg_logprob: float = -0.3) -> DecodeResult:

@@ -22,11 +22,13 @@ from openai import AsyncOpenAI
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from bench.corpus import ManifestRow, load_clip, wer
+from bench.http_probe import http_get, metric_value
 from server.app import WhisperwireServer
 from server.config import ServerConfig, StreamingConfig
 from server.formats import SAMPLE_RATE_HZ
 from server.openai_realtime import DEFAULT_RATE_HZ, REALTIME_PATH, handshake_problem
-from tests.helpers import ManifestRow, ScriptedEngine, http_get, load_clip, metric_value, wer
+from tests.helpers import ScriptedEngine
 
 WAIT_S = 120.0  # a bound for waits on the real model on a busy 2-core machine
 MAX_WER_CLIP = 0.35  # as tests/test_app.py: one short clip, streamed

@@ -18,14 +18,16 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
+from bench.corpus import load_clip
 from server.config import PipelineConfig
 from server.engine_api import DecodeOptions, DecodeRequest, DecodeResult
-from server.errors import DecodeError, ProtocolError
+from server.errors import DecodeError
 from server.formats import SAMPLE_RATE_HZ
 from server.messages import ErrorMessage, FinalMessage, ServerMessage
-from server.pipeline import DriverOutcome, Pipeline, StreamDriver
+from server.pipeline import Pipeline
 from server.session import DecodeJob, Session
-from tests.helpers import GatedEngine, ScriptedEngine, load_clip, pcm_frames
+from server.stream_driver import DriverOutcome, StreamDriver
+from tests.helpers import GatedEngine, ScriptedEngine, pcm_frames
 
 # Fixtures run on the session's loop (asyncio_default_fixture_loop_scope); so must the tests,
 # or the pipeline a fixture started would post its results to a loop that is not running.
@@ -280,7 +282,7 @@ async def test_a_decode_failure_reaches_only_the_affected_client(speech_dir: Pat
         audio = {"quiet1": quiet, "loud": loud, "quiet2": quiet}
         for name, driver in drivers.items():
             for frame in pcm_frames(audio[name]):
-                driver.receive_audio(frame)
+                driver.feed_audio(frame)
         for driver in drivers.values():
             driver.end()
         outcomes = await asyncio.wait_for(
@@ -323,7 +325,7 @@ async def test_streams_whose_turns_interleave_are_gathered_into_one_batch(
         async def feed(driver: StreamDriver, phase_s: float) -> None:
             await asyncio.sleep(phase_s)
             for frame in pcm_frames(clip, frame_s):
-                driver.receive_audio(frame)
+                driver.feed_audio(frame)
                 await asyncio.sleep(frame_s)
             driver.end()
 
@@ -355,13 +357,13 @@ async def test_a_window_that_waited_for_a_lane_is_decoded_up_to_the_newest_audio
         sent = 0
         while not pipeline.queued:
             assert sent < len(frames), "no window was queued"
-            driver.receive_audio(frames[sent])
+            driver.feed_audio(frames[sent])
             sent += 1
             await asyncio.sleep(0.01)  # the features thread
         [(_, _, request)] = pipeline._heap
         queued_s = request.job.audio_s
         for frame in frames[sent:]:
-            driver.receive_audio(frame)
+            driver.feed_audio(frame)
         engine.release.set()
         await asyncio.wait_for(gate, WAIT_S)
         driver.end()
@@ -381,9 +383,7 @@ async def test_a_client_that_does_not_read_overflows_its_outbox() -> None:
     try:
         driver = StreamDriver(Session("slow"), pipeline, max_pending_messages=2)
         for _ in range(3):
-            with pytest.raises(ProtocolError) as caught:
-                driver.receive_text("{not json")
-            driver.send(ErrorMessage(caught.value.code, str(caught.value), False, 0.0))
+            driver.send(ErrorMessage("invalid_message", "not JSON", False, 0.0))
         assert driver.outcome.done()
         assert driver.outcome.result() is DriverOutcome.OVERFLOW
         assert driver.outbox.qsize() == 2  # bounded: nothing more was queued

@@ -19,6 +19,7 @@ from typing import TextIO
 
 import pytest
 
+from bench.corpus import read_manifest, wer
 from client.render import (
     JsonlRenderer,
     Renderer,
@@ -49,7 +50,6 @@ from server.messages import (
     WordInfo,
     parse_server_message,
 )
-from tests.helpers import read_manifest, wer
 from tests.subtitle_checks import read_srt, read_vtt, rule_violations
 from tests.tmux_pane import DEAD_ROW, TMUX, TmuxPane, render_png
 

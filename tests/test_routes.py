@@ -10,10 +10,11 @@ import pytest
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
+from bench.http_probe import metric_value
 from server.config import ServerConfig
 from server.metrics import Metrics
-from server.routes import STREAM_PATH, process_request, response, web_file
-from tests.helpers import metric_value
+from server.routes import process_request, response, web_file
+from server.v1_stream import STREAM_PATH
 
 
 @dataclass

@@ -22,6 +22,7 @@ from hypothesis import event as note_event
 from hypothesis import strategies as st
 
 from bench.accuracy import modelled_cost_s
+from bench.corpus import ManifestRow, find_speech_dir, load_clip, normalize, wer
 from bench.simulate import SimulationResult, simulate
 from server.audio import pcm_s16le_bytes
 from server.config import StreamingConfig
@@ -33,29 +34,30 @@ from server.errors import (
     ProtocolError,
     StreamError,
 )
-from server.formats import SAMPLE_RATE_HZ
+from server.formats import SAMPLE_RATE_HZ, AudioFormat
 from server.hypothesis import normalize_word
 from server.messages import (
     MAX_TEXT_MESSAGE_BYTES,
     DoneMessage,
     ErrorMessage,
     FinalMessage,
+    FlushMessage,
     PartialMessage,
     ServerMessage,
     SpeechEndedMessage,
     SpeechStartedMessage,
     parse_server_message,
 )
-from server.session import MAX_DECODE_FAILURES, DecodeJob, Session
-from tests.helpers import (
-    ManifestRow,
-    ScriptedEngine,
-    find_speech_dir,
-    hard_clips,
-    load_clip,
-    normalize,
-    wer,
+from server.session import (
+    MAX_DECODE_FAILURES,
+    DecodeJob,
+    Session,
+    SessionEvent,
+    Settled,
+    StreamSettings,
 )
+from server.v1_stream import apply_text
+from tests.helpers import ScriptedEngine, hard_clips
 
 if TYPE_CHECKING:
     from server.engine.engine import Engine
@@ -315,13 +317,13 @@ def _session(engine: Engine, **streaming: object) -> Session:
 def test_flush_finalises_and_keeps_the_session_open(engine: Engine, speech_dir: Path) -> None:
     session = _session(engine)
     clip = load_clip(speech_dir / "librispeech_test-clean" / "1089-134691-0000.wav")
-    session.receive_audio(pcm_s16le_bytes(clip))
-    session.receive_text('{"type": "flush"}')
+    session.feed_audio(pcm_s16le_bytes(clip))
+    session.flush()
     finals = _drain(engine, session)
     assert "wait no longer" in normalize(" ".join(f.text for f in finals))
     assert not session.done
-    session.receive_audio(pcm_s16le_bytes(clip))
-    session.receive_text('{"type": "end"}')
+    session.feed_audio(pcm_s16le_bytes(clip))
+    session.end()
     more = _drain(engine, session)
     assert session.done
     assert "wait no longer" in normalize(" ".join(f.text for f in more))
@@ -341,19 +343,21 @@ def _drain(engine: Engine, session: Session) -> list[FinalMessage]:
 
 def test_protocol_rules(engine: Engine) -> None:
     session = _session(engine, max_frame_bytes=1000)
-    session.receive_text('{"type": "config", "sample_rate": 8000}')
-    session.receive_audio(b"\x00\x00" * 80)
+    session.configure(StreamSettings(audio_format=AudioFormat(sample_rate_hz=8000)))
+    session.feed_audio(b"\x00\x00" * 80)
     with pytest.raises(ProtocolError, match="before the first audio"):
-        session.receive_text('{"type": "config", "sample_rate": 16000}')
+        session.configure(StreamSettings())
     with pytest.raises(AudioFormatError):
-        session.receive_audio(b"\x00" * 3)
+        session.feed_audio(b"\x00" * 3)
     with pytest.raises(FrameTooLargeError):
-        session.receive_audio(b"\x00" * 1002)
-    with pytest.raises(ProtocolError):
-        session.receive_text("{not json")
-    session.receive_text('{"type": "end"}')
+        session.feed_audio(b"\x00" * 1002)
+    session.end()
+    with pytest.raises(ProtocolError, match="end sent twice"):
+        session.end()
+    with pytest.raises(ProtocolError, match="flush after end"):
+        session.flush()
     with pytest.raises(ProtocolError) as info:
-        session.receive_audio(b"\x00\x00")
+        session.feed_audio(b"\x00\x00")
     assert info.value.close_code == 1008
     assert session.done
     done = [m for m in session.events_to_send() if isinstance(m, DoneMessage)]
@@ -363,7 +367,11 @@ def test_protocol_rules(engine: Engine) -> None:
 def test_english_only_model_refuses_other_languages(engine: Engine) -> None:
     session = _session(engine)
     with pytest.raises(ProtocolError, match="English-only"):
-        session.receive_text('{"type": "config", "language": "de"}')
+        session.configure(StreamSettings(language="de"))
+    with pytest.raises(ProtocolError, match="English-only"):
+        session.configure(StreamSettings(task="translate"))
+    session.configure(StreamSettings(language=None))  # nothing to detect: English
+    assert session.language == "en"
 
 
 # --------------------------------------------------------------------------- nothing lost
@@ -395,14 +403,14 @@ def test_a_stream_that_falls_behind_loses_no_audio(speech_dir: Path) -> None:
     speech = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
     pcm = pcm_s16le_bytes(speech[: 40 * SAMPLE_RATE_HZ])
     session = Session("behind")
-    session.receive_audio(pcm[:12_800])  # 0.4 s: the first decode is dispatched at once
+    session.feed_audio(pcm[:12_800])  # 0.4 s: the first decode is dispatched at once
     first = session.next_job()
     assert first is not None
     for i in range(12_800, len(pcm), 32_000):  # the rest arrives while that decode runs
-        session.receive_audio(pcm[i : i + 32_000])
+        session.feed_audio(pcm[i : i + 32_000])
     assert session.lag_s > 30
     session.receive_result(first, _scripted_decode(engine, first))
-    session.receive_text('{"type": "end"}')
+    session.end()
     windows = [(first.start_s, first.start_s + first.audio_s)]
     while (job := session.next_job()) is not None:
         windows.append((job.start_s, job.start_s + job.audio_s))
@@ -444,7 +452,7 @@ def _stream_without_end(engine: ScriptedEngine, audio: np.ndarray) -> list[Serve
     session = Session("open")
     events: list[ServerMessage] = []
     for chunk in range(0, audio.shape[0], SAMPLE_RATE_HZ // 10):
-        session.receive_audio(pcm_s16le_bytes(audio[chunk : chunk + SAMPLE_RATE_HZ // 10]))
+        session.feed_audio(pcm_s16le_bytes(audio[chunk : chunk + SAMPLE_RATE_HZ // 10]))
         while (job := session.next_job()) is not None:
             session.receive_result(job, _scripted_decode(engine, job))
         events += session.events_to_send()
@@ -500,7 +508,7 @@ def test_the_schedulers_hop_stretches_the_decode_cadence(speech_dir: Path) -> No
     engine = ScriptedEngine()
     session = Session("busy")
     for chunk in range(0, audio.shape[0], SAMPLE_RATE_HZ // 10):
-        session.receive_audio(pcm_s16le_bytes(audio[chunk : chunk + SAMPLE_RATE_HZ // 10]))
+        session.feed_audio(pcm_s16le_bytes(audio[chunk : chunk + SAMPLE_RATE_HZ // 10]))
         while (job := session.next_job(min_hop_s=0.7)) is not None:
             session.receive_result(job, _scripted_decode(engine, job))
     lengths = [a for batch in engine.batches for a in batch]
@@ -535,7 +543,7 @@ def test_a_cut_hears_its_last_committed_words_again_as_the_prefix(speech_dir: Pa
     cuts = 0
     last_start = -1.0
     for i in range(0, len(pcm), 3_200):  # 0.1 s chunks, each decode answered at once
-        session.receive_audio(pcm[i : i + 3_200])
+        session.feed_audio(pcm[i : i + 3_200])
         while (job := session.next_job()) is not None:
             if job.start_s > last_start >= 0 and finals:
                 cuts += 1
@@ -560,7 +568,7 @@ def test_a_crowded_server_caps_the_window(speech_dir: Path, crowded: bool) -> No
     pcm = pcm_s16le_bytes(clip[: 40 * SAMPLE_RATE_HZ])
     longest = 0.0
     for i in range(0, len(pcm), 3_200):
-        session.receive_audio(pcm[i : i + 3_200])
+        session.feed_audio(pcm[i : i + 3_200])
         while (job := session.next_job(crowded=crowded)) is not None:
             longest = max(longest, job.audio_s)
             session.receive_result(job, _scripted_decode(engine, job))
@@ -576,7 +584,7 @@ def _feed_answering(
 ) -> None:
     """``pcm`` in 0.1 s chunks, each job answered at once."""
     for i in range(0, len(pcm), 3_200):
-        session.receive_audio(pcm[i : i + 3_200])
+        session.feed_audio(pcm[i : i + 3_200])
         while (job := session.next_job(crowded=crowded)) is not None:
             session.receive_result(job, _scripted_decode(engine, job))
 
@@ -591,10 +599,10 @@ def test_a_waiting_job_is_refreshed_up_to_the_newest_audio(speech_dir: Path) -> 
     _feed_answering(session, engine, pcm[: 3 * second])
     job = None
     for i in range(3 * second, 4 * second, 3_200):
-        session.receive_audio(pcm[i : i + 3_200])
+        session.feed_audio(pcm[i : i + 3_200])
         job = job or session.next_job()
     assert job is not None and not job.closing
-    session.receive_audio(pcm[4 * second : 5 * second])
+    session.feed_audio(pcm[4 * second : 5 * second])
 
     fresh = session.refresh_job(job)
     assert fresh.job_id == job.job_id and fresh.start_s == job.start_s
@@ -626,10 +634,10 @@ def test_a_refreshed_job_stays_within_the_window_cap_and_closes_with_its_segment
     session = Session("capped", streaming=config)
     start = 9 * SAMPLE_RATE_HZ
     _feed_answering(session, engine, pcm_s16le_bytes(clip[:start]), crowded=True)
-    session.receive_audio(pcm_s16le_bytes(clip[start : start + SAMPLE_RATE_HZ // 2]))
+    session.feed_audio(pcm_s16le_bytes(clip[start : start + SAMPLE_RATE_HZ // 2]))
     job = session.next_job(crowded=True)
     assert job is not None
-    session.receive_audio(pcm_s16le_bytes(clip[start + SAMPLE_RATE_HZ // 2 : 13 * SAMPLE_RATE_HZ]))
+    session.feed_audio(pcm_s16le_bytes(clip[start + SAMPLE_RATE_HZ // 2 : 13 * SAMPLE_RATE_HZ]))
     fresh = session.refresh_job(job, crowded=True)
     assert fresh.audio_s == pytest.approx(config.crowded_max_window_s, abs=1e-3)
     assert not fresh.closing
@@ -639,11 +647,11 @@ def test_a_refreshed_job_stays_within_the_window_cap_and_closes_with_its_segment
     config = StreamingConfig(closing_beam_size=5)
     session = Session("ending", streaming=config)
     speech = load_clip(speech_dir / SPEECH_CLIP)
-    session.receive_audio(pcm_s16le_bytes(speech[:SAMPLE_RATE_HZ]))
+    session.feed_audio(pcm_s16le_bytes(speech[:SAMPLE_RATE_HZ]))
     job = session.next_job()
     assert job is not None and not job.closing
-    session.receive_audio(pcm_s16le_bytes(speech[SAMPLE_RATE_HZ:]))
-    session.receive_audio(pcm_s16le_bytes(np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)))
+    session.feed_audio(pcm_s16le_bytes(speech[SAMPLE_RATE_HZ:]))
+    session.feed_audio(pcm_s16le_bytes(np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)))
     ended = [e for e in session.events_to_send() if isinstance(e, SpeechEndedMessage)]
     assert ended
     fresh = session.refresh_job(job)
@@ -652,7 +660,7 @@ def test_a_refreshed_job_stays_within_the_window_cap_and_closes_with_its_segment
     assert fresh.request.options.beam_size == config.closing_beam_size > 1
     assert fresh.start_s + fresh.audio_s == pytest.approx(ended[-1].end, abs=1e-3)
     session.receive_result(job, _scripted_decode(engine, fresh))
-    session.receive_text('{"type": "end"}')
+    session.end()
     while (job := session.next_job()) is not None:
         session.receive_result(job, _scripted_decode(engine, job))
     assert session.done
@@ -671,7 +679,7 @@ def test_a_closing_decode_is_beam_searched_while_every_stream_has_a_lane(
     pcm = pcm_s16le_bytes(np.concatenate([speech, np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)]))
     widths: list[tuple[bool, int]] = []
     for i in range(0, len(pcm), 3_200):
-        session.receive_audio(pcm[i : i + 3_200])
+        session.feed_audio(pcm[i : i + 3_200])
         while (job := session.next_job(crowded=crowded)) is not None:
             widths.append((job.closing, job.request.options.beam_size))
             session.receive_result(job, _scripted_decode(engine, job))
@@ -705,8 +713,8 @@ def test_speech_after_an_early_end_of_text_is_decoded_again(speech_dir: Path) ->
         : 12 * SAMPLE_RATE_HZ
     ]
     silence = np.zeros(2 * SAMPLE_RATE_HZ, dtype=np.float32)
-    session.receive_audio(pcm_s16le_bytes(np.concatenate([clip, silence])))  # all at once
-    session.receive_text('{"type": "end"}')
+    session.feed_audio(pcm_s16le_bytes(np.concatenate([clip, silence])))  # all at once
+    session.end()
     while (job := session.next_job()) is not None:
         session.receive_result(job, _scripted_decode(engine, job))
     events = session.events_to_send()
@@ -723,8 +731,8 @@ def test_speech_given_up_after_failed_decodes_is_reported(speech_dir: Path) -> N
     session = Session("failing")
     clip = load_clip(speech_dir / "librispeech_test-clean/1089-134691-0001.wav")
     silence = np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)
-    session.receive_audio(pcm_s16le_bytes(np.concatenate([clip, silence, clip, silence])))
-    session.receive_text('{"type": "end"}')
+    session.feed_audio(pcm_s16le_bytes(np.concatenate([clip, silence, clip, silence])))
+    session.end()
     failures = 0
     while (job := session.next_job()) is not None:
         if failures < MAX_DECODE_FAILURES:  # the first segment fails every time
@@ -848,7 +856,7 @@ def test_random_input_gives_only_documented_errors_and_loses_nothing(
 ) -> None:
     engine = EarlyEndEngine() if early_end else ScriptedEngine()
     session = Session("fuzz", streaming=StreamingConfig(max_frame_bytes=FUZZ_MAX_FRAME_BYTES))
-    events: list[ServerMessage] = []
+    events: list[SessionEvent] = []
     accepted_s = 0.0
     resampled = False
     failed_decodes = 0
@@ -864,7 +872,7 @@ def test_random_input_gives_only_documented_errors_and_loses_nothing(
             if isinstance(action, bytes):
                 expected = _expected_audio_error(session, action)
                 fmt = session.audio_format
-                session.receive_audio(action)
+                session.feed_audio(action)
                 accepted_s += len(action) / fmt.bytes_per_sample / fmt.sample_rate_hz
                 resampled = resampled or fmt.sample_rate_hz != SAMPLE_RATE_HZ
             elif isinstance(action, str) and action in ("result", "failure"):
@@ -877,7 +885,7 @@ def test_random_input_gives_only_documented_errors_and_loses_nothing(
                     job = None
             else:
                 assert isinstance(action, str)
-                session.receive_text(action)
+                apply_text(action, session)  # the v1 client's message, as its adapter parses it
             assert expected is None, f"{expected.__name__} expected, nothing raised"
         except StreamError as exc:
             assert type(exc) in DOCUMENTED_CLOSE_CODES, repr(exc)
@@ -893,7 +901,7 @@ def test_random_input_gives_only_documented_errors_and_loses_nothing(
         events += session.events_to_send()
     if fatal is None:
         if not session.ended:
-            session.receive_text('{"type": "end"}')
+            session.end()
         while True:  # the decodes still owed finish, as they would in the pipeline
             job = job or session.next_job()
             events += session.events_to_send()
@@ -903,8 +911,10 @@ def test_random_input_gives_only_documented_errors_and_loses_nothing(
             job = None
         assert session.done
     for event in events:
-        assert parse_server_message(event.to_json()) is not None  # valid on the wire
         assert event.audio_received_s <= accepted_s + 1e-6
+        if isinstance(event, Settled):
+            continue  # the adapters' marker, not a v1 message
+        assert parse_server_message(event.to_json()) is not None  # valid on the wire
         if isinstance(event, (PartialMessage, FinalMessage)):
             assert event.lag_s is not None and event.lag_s >= 0
     finals = [e for e in events if isinstance(e, FinalMessage)]
@@ -923,3 +933,159 @@ def test_random_input_gives_only_documented_errors_and_loses_nothing(
     _check_accounting(done[0], resampled=resampled)
     if not failed_decodes:
         assert done[0].failed_s == 0
+
+
+# --------------------------------------------------------------------------- Settled
+
+PAUSED_CLIPS = (  # two utterances with a second of silence between them
+    "librispeech_test-clean/1089-134691-0000.wav",
+    "misc_en/arctic_a0024.wav",
+)
+SETTLED_LONG_CLIP = "ljspeech/long/LJ001-0001_to_0032.concat.wav"
+
+
+def _decode_now(engine: ScriptedEngine, job: DecodeJob) -> DecodeResult:
+    return engine.decode_windows([Window(engine.features(job.audio), job.request)])[0]
+
+
+def _drive(
+    session: Session,
+    engine: ScriptedEngine,
+    frames: Sequence[bytes | str],
+    *,
+    held_frames: int = 0,
+) -> list[SessionEvent]:
+    """Feed ``frames`` the way ``StreamDriver`` does (events, then a job, then events), each
+    decode answered at once, then ``end``. The first job waits for ``held_frames`` more frames,
+    as a decode of a stream that fell behind would."""
+    events: list[SessionEvent] = []
+    held: DecodeJob | None = None
+    waiting = held_frames
+
+    def advance() -> None:
+        nonlocal held, waiting
+        events.extend(session.events_to_send())
+        while not session.busy and (job := session.next_job()) is not None:
+            events.extend(session.events_to_send())
+            if waiting > 0 and held is None:
+                held = job
+                return
+            session.receive_result(job, _decode_now(engine, job))
+            events.extend(session.events_to_send())
+        events.extend(session.events_to_send())
+
+    for frame in [*frames, '{"type": "end"}']:
+        if isinstance(frame, str):
+            apply_text(frame, session)
+        else:
+            session.feed_audio(frame)
+        if held is not None:
+            waiting -= 1
+            if waiting <= 0 or isinstance(frame, str):
+                job, held, waiting = held, None, 0
+                session.receive_result(job, _decode_now(engine, job))
+        advance()
+    assert isinstance(events[-1], (DoneMessage, Settled)), events[-3:]
+    return events
+
+
+def _check_settled(events: list[SessionEvent], *, closes: int = 0) -> int:
+    """Every close (end of speech, or one of ``closes`` flushes) is followed by Settled or
+    done, and no final of the speech a Settled covered comes after it. Returns the markers."""
+    settled_until = -1.0  # stream time up to which every closed segment is finished
+    closed_at: list[float] = []
+    unsettled = closes
+    markers = 0
+    for event in events:
+        if isinstance(event, SpeechEndedMessage):
+            closed_at.append(event.end)
+            unsettled += 1
+        elif isinstance(event, FinalMessage):
+            assert event.start >= settled_until - 1e-6, (event, settled_until)
+        elif isinstance(event, Settled):
+            markers += 1
+            if closed_at:
+                settled_until = max(settled_until, *closed_at)
+            unsettled = 0
+        elif isinstance(event, DoneMessage):
+            unsettled = 0
+    assert unsettled == 0
+    return markers
+
+
+def _frames_of(audio: np.ndarray, chunk_s: float = 0.1) -> list[bytes]:
+    pcm = pcm_s16le_bytes(audio)
+    step = int(chunk_s * SAMPLE_RATE_HZ) * 2
+    return [pcm[i : i + step] for i in range(0, len(pcm), step)]
+
+
+def test_each_pause_is_settled_after_its_finals(speech_dir: Path) -> None:
+    silence = np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)
+    parts = [load_clip(speech_dir / f) for f in PAUSED_CLIPS]
+    audio = np.concatenate([parts[0], silence, parts[1], silence])
+    events = _drive(Session("pauses"), ScriptedEngine(), _frames_of(audio))
+    ends = [e for e in events if isinstance(e, SpeechEndedMessage)]
+    assert len(ends) >= 2
+    assert _check_settled(events) >= len(ends)
+    # The marker comes with the closing decode's finals, not with the next speech.
+    first_settled = next(i for i, e in enumerate(events) if isinstance(e, Settled))
+    first_final = next(i for i, e in enumerate(events) if isinstance(e, FinalMessage))
+    assert first_final < first_settled < events.index(ends[1])
+
+
+def test_a_flush_is_settled_after_the_flushed_finals(speech_dir: Path) -> None:
+    frames: list[bytes | str] = list(
+        _frames_of(load_clip(speech_dir / SETTLED_LONG_CLIP)[: 6 * SAMPLE_RATE_HZ])
+    )
+    frames.insert(30, FlushMessage().to_json())  # at 3 s, in mid speech
+    events = _drive(Session("flush"), ScriptedEngine(), frames)
+    _check_settled(events, closes=1)
+    first_settled = next(i for i, e in enumerate(events) if isinstance(e, Settled))
+    before = [e for e in events[:first_settled] if isinstance(e, FinalMessage)]
+    after = [e for e in events[first_settled:] if isinstance(e, FinalMessage)]
+    assert before and after
+    assert max(f.end for f in before) <= 3.0 + 1e-6 <= min(f.start for f in after) + 1e-6
+
+
+def test_speech_decoded_again_after_an_early_end_is_not_settled_too_soon(
+    speech_dir: Path,
+) -> None:
+    audio = np.concatenate(
+        [
+            load_clip(speech_dir / SETTLED_LONG_CLIP)[: 12 * SAMPLE_RATE_HZ],
+            np.zeros(2 * SAMPLE_RATE_HZ, dtype=np.float32),
+        ]
+    )
+    engine = EarlyEndEngine()
+    events = _drive(Session("early"), engine, [pcm_s16le_bytes(audio)])  # all at once
+    _check_settled(events)
+    closing = [e for e in events if isinstance(e, (FinalMessage, Settled))]
+    assert isinstance(closing[-1], Settled)
+
+
+def test_a_stream_far_behind_is_settled_only_when_caught_up(speech_dir: Path) -> None:
+    """While a decode is in flight 12 s of speech and a pause arrive: the closed segment is
+    then decoded in pieces capped at the longest window, which are not closing decodes."""
+    streaming = StreamingConfig(max_window_s=9.0, clause_cut_s=9.0)
+    audio = np.concatenate(
+        [
+            load_clip(speech_dir / SETTLED_LONG_CLIP)[: 12 * SAMPLE_RATE_HZ],
+            np.zeros(SAMPLE_RATE_HZ, dtype=np.float32),
+            load_clip(speech_dir / PAUSED_CLIPS[0]),
+        ]
+    )
+    frames = _frames_of(audio)
+    events = _drive(
+        Session("behind", streaming=streaming), ScriptedEngine(), frames, held_frames=130
+    )
+    assert any(isinstance(e, SpeechEndedMessage) for e in events)
+    _check_settled(events)
+
+
+def test_a_flush_with_no_speech_open_is_settled_at_once() -> None:
+    session = Session("quiet")
+    session.feed_audio(pcm_s16le_bytes(np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)))
+    session.flush()
+    assert session.events_to_send() == [Settled(audio_received_s=1.0)]
+    session.flush()  # each flush is answered
+    assert session.events_to_send() == [Settled(audio_received_s=1.0)]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.corpus import read_manifest
 from client.render import SubtitleRenderer
 from client.sources import FileSource
 from client.stream import stream_audio
@@ -35,7 +36,6 @@ from client.subtitles import (
     words_from_pieces,
 )
 from server.messages import FinalMessage, ServerMessage, WordInfo
-from tests.helpers import read_manifest
 from tests.subtitle_checks import ReadCue, read_srt, read_vtt, rule_violations
 
 CONFIG = CueConfig()

@@ -7,10 +7,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from bench.corpus import find_speech_dir, load_clip
 from server.config import VadConfig
 from server.formats import SAMPLE_RATE_HZ
 from server.vad import SpeechEnded, SpeechStarted, VadEvent, VadSegmenter
-from tests.helpers import find_speech_dir, load_clip
 
 SECOND = SAMPLE_RATE_HZ
 MS = SAMPLE_RATE_HZ // 1000

@@ -20,6 +20,7 @@ import pytest
 from playwright.async_api import Browser, Page, Playwright, async_playwright
 from playwright.async_api import TimeoutError as PlaywrightTimeoutError
 
+from bench.corpus import ManifestRow, normalize, read_manifest
 from client.reconnect import SEAM_WORDS
 from client.sources import FileSource
 from client.stream import stream_audio
@@ -33,7 +34,6 @@ from client.subtitles import (
 )
 from client.timeline import drop_seam_repeat, shift_final
 from server.messages import FinalMessage, ServerMessage, WordInfo, parse_server_message
-from tests.helpers import ManifestRow, normalize, read_manifest
 from tests.subtitle_checks import read_srt, read_vtt, rule_violations
 
 if TYPE_CHECKING:

@@ -1,0 +1,73 @@
+"""Protocol v1's adapter: its messages parsed into the session's typed calls, and back."""
+
+from __future__ import annotations
+
+import pytest
+from websockets.datastructures import Headers
+from websockets.http11 import Request
+
+from server.adapters import SessionSettings
+from server.apis import STREAM_APIS
+from server.config import StreamingConfig, VadConfig
+from server.errors import ProtocolError
+from server.formats import AudioFormat
+from server.messages import ConfigMessage, FinalMessage
+from server.session import Session, Settled, StreamSettings
+from server.v1_stream import STREAM_PATH, V1Adapter, apply_text, settings_from_config
+
+
+def _settings(multilingual: bool = False) -> SessionSettings:
+    return SessionSettings("v1", StreamingConfig(language=None), VadConfig(), multilingual, "m")
+
+
+def test_config_sets_only_the_fields_it_gives() -> None:
+    current = StreamSettings(AudioFormat(8000, "pcm_f32le"), "de", "translate")
+    assert settings_from_config(ConfigMessage(), current) == current
+    assert settings_from_config(ConfigMessage(sample_rate_hz=24000), current) == StreamSettings(
+        AudioFormat(24000, "pcm_f32le"), "de", "translate"
+    )
+    assert settings_from_config(ConfigMessage(language="auto"), current).language is None
+    assert settings_from_config(ConfigMessage(task="transcribe"), current).task == "transcribe"
+
+
+def test_messages_become_the_sessions_calls() -> None:
+    session = Session("calls", multilingual=True)
+    apply_text('{"type": "config", "sample_rate": 8000, "language": "auto"}', session)
+    assert session.settings == StreamSettings(AudioFormat(8000, "pcm_s16le"), None, "transcribe")
+    apply_text('{"type": "flush"}', session)
+    assert session.events_to_send() == [Settled(0.0)]
+    apply_text('{"type": "end"}', session)
+    assert session.ended and session.done
+    with pytest.raises(ProtocolError, match="end sent twice"):
+        apply_text('{"type": "end"}', session)
+    with pytest.raises(ProtocolError):
+        apply_text("{not json", session)
+
+
+def test_the_query_is_checked_as_config_is() -> None:
+    adapter = V1Adapter()
+    path = f"{STREAM_PATH}?sample_rate=8000&language=auto"
+    session = adapter.open_session(_settings(multilingual=True), Request(path, Headers()))
+    assert session.settings.audio_format.sample_rate_hz == 8000
+    assert session.language is None
+    english = adapter.open_session(_settings(), Request(path, Headers()))
+    assert english.language == "en"  # an English-only model has nothing to detect
+    for bad in ("sample_rate=fast", "language=de", "encoding=mp3"):
+        with pytest.raises(ProtocolError) as info:
+            adapter.open_session(_settings(), Request(f"{STREAM_PATH}?{bad}", Headers()))
+        assert info.value.close_code == 1008 and "query" in str(info.value)
+
+
+def test_settled_has_no_v1_message() -> None:
+    adapter = V1Adapter()
+    assert adapter.render(Settled(1.0)) == []
+    final = FinalMessage(0, "hi", 0.0, 0.5, (), 1.0)
+    assert adapter.render(final) == [final.to_json()]
+
+
+def test_every_api_is_one_registry_entry() -> None:
+    assert set(STREAM_APIS) == {"/v1/stream", "/v1/realtime", "/v1/listen"}
+    for path, api in STREAM_APIS.items():
+        assert api.path == path and api.auth_schemes
+        assert callable(api.adapter().render)
+    assert STREAM_APIS[STREAM_PATH].adapter().__class__ is V1Adapter
