@@ -68,12 +68,12 @@ from bench.replay import WhisperwireAdapter, replay
 from bench.server_process import ServerProcess, free_port, http_ok
 from bench.simulate import simulate
 from server.config import StreamingConfig, VadConfig
+from server.core.engine_api import DecodeOptions
+from server.core.policy import CommitConfig
+from server.core.session import DecodeJob
 from server.engine.engine import Engine, EngineConfig
 from server.engine.offline import transcribe_audio
-from server.engine_api import DecodeOptions
-from server.messages import SpeechStartedMessage
-from server.policy import CommitConfig
-from server.session import DecodeJob
+from server.protocol.messages import SpeechStartedMessage
 
 # The offline references by name: None is transcribe_audio's own default (greedy, as the
 # harness has always decoded); beam5 is OpenAI Whisper's default beam search.

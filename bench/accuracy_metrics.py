@@ -14,7 +14,7 @@ from typing import Any
 import jiwer
 
 from bench.corpus import normalize
-from server.messages import WordInfo
+from server.protocol.messages import WordInfo
 
 # What each clip is held against the reference with: the simulated stream, offline greedy
 # and offline beam-5 decoding of the whole clip, and a real server (``--server``).

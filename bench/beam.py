@@ -25,10 +25,10 @@ import time
 from typing import Any
 
 from bench.engine import load_speech, summary, write_results
+from server.core.engine_api import DecodeOptions, DecodeRequest
 from server.engine.engine import Engine, EngineConfig
-from server.engine_api import DecodeOptions, DecodeRequest
-from server.features import N_FRAMES
-from server.formats import SAMPLE_RATE_HZ
+from server.engine.features import N_FRAMES
+from server.protocol.formats import SAMPLE_RATE_HZ
 
 CLIPS = (
     "librispeech_test-other/2609-156975-0004.wav",

@@ -52,10 +52,10 @@ from bench.peer_whisperlive import PEER_VENV, PeerConfig, WhisperLiveAdapter, de
 from bench.peer_whisperlive import server_command as peer_command
 from bench.replay import Replay, View, WhisperwireAdapter, replay
 from bench.server_process import ServerProcess, free_port, http_ok, port_open
-from server.audio import read_audio_file
+from server.core.engine_api import DecodeRequest, Window
 from server.engine.engine import Engine, EngineConfig
-from server.engine_api import DecodeRequest, Window
-from server.formats import SAMPLE_RATE_HZ
+from server.protocol.audio import read_audio_file
+from server.protocol.formats import SAMPLE_RATE_HZ
 
 logger = logging.getLogger("bench.capacity")
 

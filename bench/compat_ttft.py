@@ -36,10 +36,10 @@ from websockets.asyncio.client import connect
 
 from bench.corpus import load_clip, read_manifest, wer
 from bench.engine import speech_dir, write_results
-from server.app import WhisperwireServer
-from server.audio import pcm_s16le_bytes
 from server.config import ServerConfig
-from server.formats import SAMPLE_RATE_HZ
+from server.protocol.audio import pcm_s16le_bytes
+from server.protocol.formats import SAMPLE_RATE_HZ
+from server.serve.app import WhisperwireServer
 
 CLIP = "librispeech_test-clean/1089-134686-0000.wav"  # 10.4 s, one speaker, no long pause
 FRAME_S = 0.1

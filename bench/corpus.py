@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 from whisper_normalizer.english import EnglishTextNormalizer
 
-from server.formats import SAMPLE_RATE_HZ
+from server.protocol.formats import SAMPLE_RATE_HZ
 
 REPO = Path(__file__).resolve().parents[1]
 SPEECH_ENV = "WHISPERWIRE_SPEECH_DIR"

@@ -44,12 +44,12 @@ from bench.engine import (
     timed,
     write_results,
 )
+from server.core.engine_api import DecodeOptions, DecodeRequest, Window
 from server.engine.blas import check_blas, import_mlx
 from server.engine.engine import Engine, EngineConfig
+from server.engine.features import FRAMES_PER_SECOND, N_FRAMES
 from server.engine.lightning import module as lightning_module
-from server.engine_api import DecodeOptions, DecodeRequest, Window
-from server.features import FRAMES_PER_SECOND, N_FRAMES
-from server.formats import SAMPLE_RATE_HZ
+from server.protocol.formats import SAMPLE_RATE_HZ
 
 logger = logging.getLogger("bench.decoder")
 

@@ -30,7 +30,7 @@ import numpy.typing as npt
 from bench.corpus import SPEECH_ENV, find_speech_dir
 from server.engine.blas import OPENBLAS_ENV, check_blas, import_mlx
 from server.engine.store import CACHE_ENV, load_model
-from server.formats import SAMPLE_RATE_HZ
+from server.protocol.formats import SAMPLE_RATE_HZ
 
 logger = logging.getLogger("bench.engine")
 
@@ -55,7 +55,7 @@ def speech_dir() -> Path:
 
 
 def load_speech(name: str) -> Float32Array:
-    from server.audio import read_audio_file
+    from server.protocol.audio import read_audio_file
 
     return read_audio_file(speech_dir() / name)
 
@@ -107,9 +107,9 @@ def write_results(name: str, data: dict[str, Any]) -> Path:
 
 def measure(repeats: int, budget_s: float) -> dict[str, Any]:
     """Encoder and decoder timings of tiny.en, float32, in this process's BLAS setup."""
+    from server.core.engine_api import DecodeOptions, DecodeRequest, Window
     from server.engine.engine import Engine, EngineConfig
-    from server.engine_api import DecodeOptions, DecodeRequest, Window
-    from server.features import FRAMES_PER_SECOND
+    from server.engine.features import FRAMES_PER_SECOND
 
     mx = import_mlx()
     blas = check_blas()

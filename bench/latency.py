@@ -44,7 +44,7 @@ from bench.peer_whisperlive import PeerConfig, WhisperLiveAdapter, default_model
 from bench.peer_whisperlive import server_command as peer_command
 from bench.replay import Replay, WhisperwireAdapter, replay
 from bench.server_process import ServerProcess, free_port, http_ok, port_open
-from server.formats import SAMPLE_RATE_HZ
+from server.protocol.formats import SAMPLE_RATE_HZ
 
 logger = logging.getLogger("bench.latency")
 

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from server.audio import pcm_s16le_bytes
 from server.config import StreamingConfig, VadConfig
+from server.core.engine_api import Window
+from server.core.session import DecodeJob, Session, SessionEvent
 from server.engine.engine import Engine
-from server.engine_api import Window
-from server.formats import SAMPLE_RATE_HZ
-from server.messages import FinalMessage, PartialMessage, SpeechStartedMessage
-from server.session import DecodeJob, Session, SessionEvent
+from server.protocol.audio import pcm_s16le_bytes
+from server.protocol.formats import SAMPLE_RATE_HZ
+from server.protocol.messages import FinalMessage, PartialMessage, SpeechStartedMessage
 
 CHUNK_S = 0.02
 

@@ -49,9 +49,9 @@ import psutil
 from bench.corpus import load_clip, read_manifest, wer
 from bench.engine import speech_dir, write_results
 from client.stream import StreamFailed, stream_audio
-from server.audio import pcm_s16le_bytes
-from server.formats import SAMPLE_RATE_HZ, AudioFormat
-from server.messages import DoneMessage, ErrorMessage, FinalMessage, ServerMessage
+from server.protocol.audio import pcm_s16le_bytes
+from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
+from server.protocol.messages import DoneMessage, ErrorMessage, FinalMessage, ServerMessage
 
 REPO = Path(__file__).resolve().parents[1]
 GAP_S = 0.5  # silence between clips, so the VAD ends a segment between them
@@ -140,7 +140,7 @@ class ServerProcess:
     @classmethod
     async def start(cls, log: Path, max_sessions: int) -> ServerProcess:
         process = await asyncio.create_subprocess_exec(
-            *(sys.executable, "-m", "server.cli", "--port", "0"),
+            *(sys.executable, "-m", "server.serve.cli", "--port", "0"),
             *("--max-sessions", str(max_sessions), "--max-batch-size", "16"),
             "--no-capacity-limit",  # the soak overloads the server on purpose
             *("--log-level", "info"),

@@ -23,7 +23,7 @@ from bench.engine import load_speech, speech_dir, summary, write_results
 from bench.simulate import simulate
 from server.engine.engine import Engine, EngineConfig
 from server.engine.offline import transcribe_audio
-from server.messages import FinalMessage, SpeechEndedMessage
+from server.protocol.messages import FinalMessage, SpeechEndedMessage
 
 
 def end_of_speech_to_final_s(events: list[Any]) -> list[float]:

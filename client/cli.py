@@ -46,8 +46,8 @@ from client.sources import (
 )
 from client.stream import DEFAULT_URL, ClientError, StreamResult
 from client.subtitles import build_cues, srt_document, vtt_document, words_from_pieces
-from server.errors import ModelError, WhisperwireError
-from server.formats import ENCODINGS, SAMPLE_RATE_HZ, TASKS
+from server.protocol.errors import ModelError, WhisperwireError
+from server.protocol.formats import ENCODINGS, SAMPLE_RATE_HZ, TASKS
 
 logger = logging.getLogger("client.cli")
 

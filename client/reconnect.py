@@ -41,8 +41,8 @@ from client.stream import (
     stream_audio,
 )
 from client.timeline import drop_seam_repeat, shift_message
-from server.formats import AudioFormat
-from server.messages import (
+from server.protocol.formats import AudioFormat
+from server.protocol.messages import (
     DoneMessage,
     FinalMessage,
     ReadyMessage,

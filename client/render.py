@@ -28,7 +28,7 @@ from client.subtitles import (
     vtt_cue,
     words_from_final,
 )
-from server.messages import (
+from server.protocol.messages import (
     DoneMessage,
     FinalMessage,
     PartialMessage,

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from server.audio import pcm_s16le_bytes, read_audio_file
-from server.errors import WhisperwireError
-from server.formats import SAMPLE_RATE_HZ, AudioFormat
+from server.protocol.audio import pcm_s16le_bytes, read_audio_file
+from server.protocol.errors import WhisperwireError
+from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
 
 logger = logging.getLogger("client.sources")
 
@@ -70,7 +70,8 @@ def _chunk_bytes(fmt: AudioFormat, chunk_ms: int) -> int:
 
 
 class FileSource:
-    """An audio file (anything ``server.audio.read_audio_file`` reads), sent as 16 kHz s16le.
+    """An audio file (anything ``server.protocol.audio.read_audio_file`` reads), sent as
+    16 kHz s16le.
 
     The file is decoded when the source is built, so an unreadable file fails before any
     connection is made.

@@ -11,7 +11,7 @@ audio left the client.
 
 Errors, all with a one-line message for the user::
 
-    WhisperwireError (server.errors)
+    WhisperwireError (server.protocol.errors)
     └── ClientError
         ├── ConnectError   no connection: refused, bad URL, handshake refused (HTTP status)
         └── StreamFailed   the stream broke: fatal ``error``, abnormal close, no ``done``
@@ -37,8 +37,8 @@ from websockets.exceptions import (
 )
 
 from client.sources import AudioSource
-from server.errors import ProtocolError, WhisperwireError
-from server.messages import (
+from server.protocol.errors import ProtocolError, WhisperwireError
+from server.protocol.messages import (
     DoneMessage,
     EndMessage,
     ErrorMessage,

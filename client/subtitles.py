@@ -36,7 +36,7 @@ import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from server.messages import FinalMessage
+from server.protocol.messages import FinalMessage
 
 SENTENCE_END = frozenset(".?!…。？！")
 CLAUSE_END = frozenset(",;:–—、，；：")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from server.messages import (
+from server.protocol.messages import (
     DoneMessage,
     FinalMessage,
     PartialMessage,
@@ -61,7 +61,7 @@ def shift_final(final: FinalMessage, offset_s: float, segments_before: int) -> F
 
 
 def _comparable(word: str) -> str:
-    # Close to server.hypothesis.normalize_word, which the client may not import (it stays off
+    # Close to server.core.agreement.normalize_word, which the client may not import (it stays off
     # the server's modules but the shared wire ones: tests/test_imports.py).
     return "".join(ch for ch in word.casefold() if ch.isalnum())
 

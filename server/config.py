@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .formats import TASKS
-from .policy import CommitConfig
+from server.core.policy import CommitConfig
+from server.protocol.formats import TASKS
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class VadConfig:
 
 @dataclass(frozen=True)
 class LanguageConfig:
-    """When a session that detects its language decides it (server/language.py).
+    """When a session that detects its language decides it (server/core/language.py).
 
     Measured with base on the shared clips (7 languages and 24 English recordings), the
     detector on the first N seconds of speech against its answer on the whole clip: every
@@ -137,7 +137,7 @@ class PipelineConfig:
     """The decode stage: how windows from many sessions are batched onto the decode lanes."""
 
     # Engine calls that run at once: this process's decode thread, and a child process with
-    # its own model for each further lane. On a CPU one per core (``server.cli`` sets it so
+    # its own model for each further lane. On a CPU one per core (``server.serve.cli`` sets it so
     # by default); on a GPU one.
     decode_lanes: int = 1
     max_batch_size: int = 8  # windows decoded together in one engine call

@@ -31,7 +31,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if not getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
         return
     from server.engine.store import load_model
-    from server.errors import ModelNotFoundError
+    from server.protocol.errors import ModelNotFoundError
 
     for name in ("tiny.en", "base"):
         with contextlib.suppress(ModelNotFoundError):  # base: the tests that need it skip
@@ -116,8 +116,8 @@ async def server_url(engine: Engine) -> AsyncIterator[str]:
     Tests that use it run on the session's event loop:
     ``pytestmark = pytest.mark.asyncio(loop_scope="session")``.
     """
-    from server.app import WhisperwireServer
     from server.config import PipelineConfig, ServerConfig
+    from server.serve.app import WhisperwireServer
 
     # Recognition tests run several streams at once on a CPU the capacity estimate says
     # carries one or two: they test transcripts, not admission.

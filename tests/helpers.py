@@ -26,9 +26,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from bench.corpus import ManifestRow
-from server.engine_api import DecodeResult, StopReason, Window, WordTiming
-from server.errors import DecodeError
-from server.formats import SAMPLE_RATE_HZ
+from server.core.engine_api import DecodeResult, StopReason, Window, WordTiming
+from server.protocol.errors import DecodeError
+from server.protocol.formats import SAMPLE_RATE_HZ
 
 if TYPE_CHECKING:
     from multiprocessing.synchronize import Semaphore as SemaphoreLike

@@ -113,7 +113,7 @@ class ServerInstance:
     async def start(self) -> None:
         """Start the process; returns once it runs (its model may still be loading)."""
         script = Path(sys.executable).with_name("whisperwire-server")
-        command = [str(script)] if script.is_file() else [sys.executable, "-m", "server.cli"]
+        command = [str(script)] if script.is_file() else [sys.executable, "-m", "server.serve.cli"]
         self._listening.clear()
         self.started_at = time.monotonic()
         self.process = await asyncio.create_subprocess_exec(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from websockets.datastructures import Headers
 from websockets.http11 import Request
 
-from server.access import api_key_offered, origin_allowed, single_header
+from server.serve.access import api_key_offered, origin_allowed, single_header
 
 OWN_HOST = "127.0.0.1:8765"
 

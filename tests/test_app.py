@@ -32,15 +32,15 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from bench.corpus import ManifestRow, load_clip, normalize, wer
 from bench.http_probe import http_get, metric_value
-from server.app import WhisperwireServer
-from server.audio import pcm_s16le_bytes
+from server.apis.v1_stream import apply_text
 from server.config import PipelineConfig, ServerConfig, StreamingConfig
-from server.engine_api import DecodeResult, SpeechEngine, Window
-from server.errors import ModelNotFoundError, StreamError
-from server.formats import SAMPLE_RATE_HZ
-from server.messages import MAX_TEXT_MESSAGE_BYTES
-from server.session import MAX_DECODE_FAILURES, Session
-from server.v1_stream import apply_text
+from server.core.engine_api import DecodeResult, SpeechEngine, Window
+from server.core.session import MAX_DECODE_FAILURES, Session
+from server.protocol.audio import pcm_s16le_bytes
+from server.protocol.errors import ModelNotFoundError, StreamError
+from server.protocol.formats import SAMPLE_RATE_HZ
+from server.protocol.messages import MAX_TEXT_MESSAGE_BYTES
+from server.serve.app import WhisperwireServer
 from tests.helpers import Float32Array, ScriptedEngine, StreamOutcome, pcm_frames, stream_frames
 
 if TYPE_CHECKING:
@@ -309,7 +309,7 @@ async def serve_until_signalled(
     **config: Any,
 ) -> tuple[asyncio.Task[None], WhisperwireServer]:
     """``run_server`` with the scripted engine in this process, once it is listening."""
-    from server.app import run_server
+    from server.serve.app import run_server
 
     ready: asyncio.Future[WhisperwireServer] = asyncio.get_running_loop().create_future()
     served = asyncio.create_task(
@@ -480,7 +480,7 @@ async def test_http_routes(server_url: str) -> None:
     for path in ("/app.js", "/audio-worklet.js", "/static/app.js"):
         status, headers, body = await http_get(base + path)
         assert status == 200 and headers["content-type"].startswith("text/javascript"), path
-    for path in ("/nope", "/static/../server/app.py", "/.git/config"):
+    for path in ("/nope", "/static/../server/serve/app.py", "/.git/config"):
         status, _, _ = await http_get(base + path)
         assert status == 404, path
 
@@ -544,7 +544,7 @@ async def test_cli_exits_2_with_one_line_when_the_model_cannot_load() -> None:
     # A subprocess, because the CLI owns the process: its logging setup, signals, event loop.
     # (async only to share the module's event-loop mark; the wait runs off the loop)
     process = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "server.cli", "--model", "nosuch", "--port", "0"),
+        *(sys.executable, "-m", "server.serve.cli", "--model", "nosuch", "--port", "0"),
         cwd=REPO,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -1175,7 +1175,7 @@ async def test_sigterm_under_load_delivers_every_final(
 ) -> None:
     """The real CLI server with the real model, SIGTERM while three clients stream."""
     process = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "server.cli", "--port", "0", "--log-level", "info"),
+        *(sys.executable, "-m", "server.serve.cli", "--port", "0", "--log-level", "info"),
         "--no-capacity-limit",  # three streams on a CPU estimated to carry fewer
         cwd=REPO,
         stdout=asyncio.subprocess.DEVNULL,
@@ -1249,8 +1249,8 @@ async def test_a_decode_lane_killed_mid_stream_costs_no_audio(
     """Two lanes with the real model; the child lane is killed while two clients stream.
     Its windows are decoded on this process's lane, a new child replaces it, and every
     accepted second reaches the finals."""
-    from server.cli import load_engine
     from server.engine.engine import EngineConfig
+    from server.serve.cli import load_engine
 
     config = ServerConfig(host="127.0.0.1", port=0, capacity_limit=False)
     pipeline = PipelineConfig(decode_lanes=2, batch_wait_ms=5.0)

@@ -11,9 +11,9 @@ import numpy.typing as npt
 import pytest
 import soxr
 
-from server.audio import PcmDecoder, pcm_s16le_bytes, read_audio_file
-from server.errors import AudioFormatError, FrameTooLargeError
-from server.formats import SAMPLE_RATE_HZ, AudioFormat
+from server.protocol.audio import PcmDecoder, pcm_s16le_bytes, read_audio_file
+from server.protocol.errors import AudioFormatError, FrameTooLargeError
+from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
 
 
 def _raw_wav(path: Path) -> npt.NDArray[np.float32]:
@@ -30,7 +30,7 @@ def speech(speech_dir: Path) -> npt.NDArray[np.float32]:
 
 @pytest.fixture
 def no_ffmpeg(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("server.audio.shutil.which", lambda name: None)
+    monkeypatch.setattr("server.protocol.audio.shutil.which", lambda name: None)
 
 
 def _decoder(rate: int = SAMPLE_RATE_HZ, encoding: str = "pcm_s16le") -> PcmDecoder:

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from bench.corpus import load_clip
+from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
 from server.engine.beam import rank_score, search
 from server.engine.engine import Engine
-from server.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
-from server.features import N_FRAMES
-from server.formats import SAMPLE_RATE_HZ
+from server.engine.features import N_FRAMES
+from server.protocol.formats import SAMPLE_RATE_HZ
 
 # Short hard clips: test-other readers tiny.en gets wrong in places, where beams disagree.
 PARITY_CLIPS = (

@@ -21,7 +21,7 @@ from bench.accuracy_metrics import (
     table,
     token_times,
 )
-from server.messages import WordInfo
+from server.protocol.messages import WordInfo
 
 
 def timed(*spec: tuple[str, float]) -> list[WordInfo]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.buffer import SampleBuffer
+from server.core.buffer import SampleBuffer
 
 
 def test_append_slice_and_trim_keep_absolute_offsets() -> None:

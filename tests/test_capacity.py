@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.capacity import BatchCost, CapacityModel, CostFit, fit_cost, streams_within
+from server.decode.capacity import BatchCost, CapacityModel, CostFit, fit_cost, streams_within
 
 
 def calls(fit: CostFit, shapes: list[tuple[int, float]]) -> list[BatchCost]:

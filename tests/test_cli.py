@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from server.cli import build_parser, main
+from server.serve.cli import build_parser, main
 
 
 def test_decode_lanes_default_to_auto_and_take_a_count() -> None:
@@ -41,7 +41,7 @@ def test_auto_is_one_lane_per_core_on_the_cpu() -> None:
 def test_the_commit_policy_right_context_is_one_flag_away(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from server.policy import CommitConfig
+    from server.core.policy import CommitConfig
 
     parser = build_parser()
     assert parser.parse_args([]).min_right_context_s == CommitConfig().min_right_context_s

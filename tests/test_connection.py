@@ -13,14 +13,14 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from server.config import ServerConfig, StreamingConfig, VadConfig
-from server.connection import (
+from server.decode.pipeline import Pipeline
+from server.metrics import Metrics
+from server.serve.connection import (
     MAX_CLOSE_REASON_BYTES,
     SHUTDOWN,
     Connection,
     truncate_reason,
 )
-from server.metrics import Metrics
-from server.pipeline import Pipeline
 from tests.helpers import ScriptedEngine
 
 

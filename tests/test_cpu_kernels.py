@@ -98,7 +98,7 @@ def test_encoder_output_unchanged_on_real_speech(engine: Engine, speech_dir: Pat
 def test_decodes_unchanged_on_real_speech(engine: Engine, speech_dir: Path) -> None:
     """Encoder, prefill, steps and word alignment with the kernels give the library path's
     tokens and word times, batched rows with prompts included."""
-    from server.engine_api import DecodeRequest, Window
+    from server.core.engine_api import DecodeRequest, Window
 
     prompt = engine.encode_text(" We spoke about printing and old books.")
     windows = []

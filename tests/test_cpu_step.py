@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from bench.corpus import load_clip
+from server.core.engine_api import DecodeRequest, DecodeResult, Window
 from server.engine import cpu_kernels
 from server.engine.blas import import_mlx
 from server.engine.cpu_step import CpuTokenStep, gelu
 from server.engine.engine import Engine
-from server.engine_api import DecodeRequest, DecodeResult, Window
-from server.formats import SAMPLE_RATE_HZ
+from server.protocol.formats import SAMPLE_RATE_HZ
 
 mx = import_mlx()
 

@@ -12,7 +12,7 @@ import pytest
 
 from server.engine import ct2_convert
 from server.engine.model import ModelDimensions
-from server.errors import ModelFormatError
+from server.protocol.errors import ModelFormatError
 from tests.helpers import TINY_EN_DIMS
 
 _CODES = {

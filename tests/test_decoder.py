@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from bench.corpus import ManifestRow, load_clip, normalize, wer
+from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason, Window
 from server.engine.decoder import (
     compression_ratio,
     draft_continuation,
@@ -22,8 +23,7 @@ from server.engine.decoder import (
 )
 from server.engine.engine import Engine, pad_to_full
 from server.engine.words import align_words, dtw, median_filter
-from server.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason, Window
-from server.formats import SAMPLE_RATE_HZ
+from server.protocol.formats import SAMPLE_RATE_HZ
 from tests.helpers import Float32Array
 
 LOOP_CLIP = "pocketsphinx_testdata/goforward.wav"  # "go forward ten meters", 2.8 s

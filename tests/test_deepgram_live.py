@@ -27,11 +27,11 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.http11 import Request
 
 from bench.corpus import ManifestRow, load_clip, wer
-from server.adapters import SessionSettings
-from server.app import WhisperwireServer
+from server.apis.adapters import SessionSettings
+from server.apis.deepgram_live import LISTEN_PATH, DeepgramAdapter, handshake_problem, parse_options
 from server.config import ServerConfig, StreamingConfig, VadConfig
-from server.deepgram_live import LISTEN_PATH, DeepgramAdapter, handshake_problem, parse_options
-from server.formats import SAMPLE_RATE_HZ
+from server.protocol.formats import SAMPLE_RATE_HZ
+from server.serve.app import WhisperwireServer
 from tests.helpers import ScriptedEngine, pcm_frames
 
 WAIT_S = 120.0  # a bound for waits on the real model on a busy 2-core machine

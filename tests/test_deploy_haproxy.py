@@ -38,9 +38,9 @@ from bench.http_probe import http_get, metric_value
 from client.reconnect import SEAM_WORDS, RetryPolicy, stream_with_reconnect
 from client.sources import FileSource
 from client.stream import ConnectError, StreamResult, stream_audio
-from server.app import WhisperwireServer
 from server.config import ServerConfig
-from server.formats import SAMPLE_RATE_HZ
+from server.protocol.formats import SAMPLE_RATE_HZ
+from server.serve.app import WhisperwireServer
 from tests.helpers import ScriptedEngine, pcm_frames, stream_frames
 from tests.instances import (
     HAPROXY_CFG,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from server.cli import build_parser
+from server.serve.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 INSTALL = REPO / "deploy" / "install.sh"

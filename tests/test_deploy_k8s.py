@@ -18,8 +18,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from server.cli import build_parser
 from server.config import ServerConfig
+from server.serve.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
@@ -48,7 +48,7 @@ def container() -> dict[str, Any]:
 
 
 def server_config() -> ServerConfig:
-    """The ServerConfig the container's flags make (as ``server.cli.main`` builds it)."""
+    """The ServerConfig the container's flags make (as ``server.serve.cli.main`` builds it)."""
     args = build_parser().parse_args(container()["args"])
     return ServerConfig(
         port=args.port,

@@ -22,8 +22,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from bench.http_probe import http_get
-from server.app import WhisperwireServer
 from server.config import ServerConfig
+from server.serve.app import WhisperwireServer
 from tests.helpers import Float32Array, ScriptedEngine, pcm_frames, stream_frames
 from tests.instances import HAPROXY_CFG
 

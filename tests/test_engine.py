@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from bench.corpus import ManifestRow, load_clip, normalize, wer
+from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason, Window
 from server.engine.blas import import_mlx
 from server.engine.engine import Engine
+from server.engine.features import N_FRAMES
 from server.engine.lightning import module as lightning_module
-from server.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason, Window
-from server.features import N_FRAMES
-from server.formats import SAMPLE_RATE_HZ
+from server.protocol.formats import SAMPLE_RATE_HZ
 from tests.helpers import HARD_SPEECH, Float32Array, hard_clips
 
 logger = logging.getLogger("tests.test_engine")

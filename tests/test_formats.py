@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.formats import ENCODINGS, MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, AudioFormat
+from server.protocol.formats import ENCODINGS, MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, AudioFormat
 
 
 def test_the_default_is_whisper_input() -> None:

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.hypothesis import LocalAgreement, Word, normalize_word
+from server.core.agreement import LocalAgreement, Word, normalize_word
 
 
 def words(text: str, start_s: float = 0.0, step_s: float = 0.5) -> list[Word]:

@@ -3,7 +3,7 @@ modules it shares with the server stay free of MLX, webrtcvad and the websockets
 
 Each check runs ``python -X importtime`` in a subprocess (an import already made by pytest
 would hide it) and rebuilds the import tree from its report, so a failure names the chain
-that pulled a module in. ``python -m tests.test_imports`` prints what ``server.app`` imports
+that pulled a module in. ``python -m tests.test_imports`` prints what ``server.serve.app`` imports
 and how MLX gets there. One check reads source instead: no benchmark imports ``tests``, even
 lazily inside a function (what both need lives in ``bench/``).
 """
@@ -22,7 +22,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("mlx", "webrtcvad", "websockets.asyncio.server", "websockets.server")
 # What the client may use of the server package: the protocol and audio file reading.
-SHARED = ("server.messages", "server.errors", "server.formats", "server.audio")
+SHARED = (
+    "server.protocol.messages",
+    "server.protocol.errors",
+    "server.protocol.formats",
+    "server.protocol.audio",
+)
 # Makes MLX unimportable, as on a machine that has only the client installed.
 BLOCK_MLX = "import sys; sys.modules['mlx'] = None; "
 
@@ -138,6 +143,61 @@ def test_no_benchmark_imports_the_tests() -> None:
     assert {path: found for path, found in offenders.items() if found} == {}
 
 
+# The server's layers, each importing only those below it (and config and metrics, which every
+# layer configures or counts with): a layer's name is its folder under server/.
+LAYERS_BELOW: dict[str, set[str]] = {
+    "protocol": set(),
+    "core": {"protocol"},
+    "engine": {"protocol", "core"},
+    "decode": {"protocol", "core"},
+    "apis": {"protocol", "core", "decode"},
+    "serve": {"protocol", "core", "decode", "apis", "engine"},
+    # Every layer's frozen options; CommitConfig is the commit policy's own.
+    "config": {"protocol", "core"},
+    "metrics": set(),
+}
+
+
+def layer_of(module: str) -> str | None:
+    """``server.core.session`` -> ``core``; None outside the server package."""
+    parts = module.split(".")
+    if parts[0] != "server" or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def test_layer_of_names_the_folder() -> None:
+    assert layer_of("server.core.session") == "core"
+    assert layer_of("server.config") == "config"
+    assert layer_of("server") is None and layer_of("client.cli") is None
+
+
+def test_each_server_layer_imports_only_the_layers_below_it() -> None:
+    """Read from source, so an import inside a function counts too. The layers are folders
+    (``server/protocol``, ``core``, ``engine``, ``decode``, ``apis``, ``serve``) and two
+    modules every layer may use (``server/config.py``, ``server/metrics.py``)."""
+    files = sorted((REPO / "server").rglob("*.py"))
+    assert files
+    crossings: dict[str, list[str]] = {}
+    for path in files:
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        layer = layer_of(module.removesuffix(".__init__"))
+        if layer is None:
+            continue
+        assert layer in LAYERS_BELOW, f"{module}: no layer {layer!r}; add it to LAYERS_BELOW"
+        allowed = LAYERS_BELOW[layer] | {layer, "config", "metrics"}
+        if layer in ("config", "metrics"):
+            allowed = LAYERS_BELOW[layer]
+        bad = sorted(
+            m
+            for m in imported_modules(path.read_text(encoding="utf-8"))
+            if (used := layer_of(m)) is not None and used not in allowed
+        )
+        if bad:
+            crossings[module] = bad
+    assert crossings == {}
+
+
 @pytest.mark.parametrize("module", SHARED)
 def test_the_modules_both_sides_share_import_nothing_heavy(module: str) -> None:
     tree, process = record_imports(f"import {module}")
@@ -153,7 +213,7 @@ def test_the_client_help_imports_no_mlx_and_only_the_shared_server_modules() -> 
     assert "usage: whisperwire stream" in process.stdout
     assert tree.heavy() == []
     server_side = {m for m in tree.parents if m.split(".")[0] == "server"}
-    assert server_side <= {"server", *SHARED}, sorted(server_side)
+    assert server_side <= {"server", "server.protocol", *SHARED}, sorted(server_side)
 
 
 def test_streaming_a_file_runs_without_mlx(tmp_path: Path) -> None:
@@ -168,7 +228,7 @@ def test_streaming_a_file_runs_without_mlx(tmp_path: Path) -> None:
 
 
 def test_the_server_app_imports_no_client_code_and_no_engine() -> None:
-    tree, process = record_imports("import server.app")
+    tree, process = record_imports("import server.serve.app")
     assert process.returncode == 0, process.stderr[-2000:]
     assert not [m for m in tree.parents if m.split(".")[0] == "client"]
     # The engine is loaded by the CLI that starts the server, not by the server itself.
@@ -176,7 +236,9 @@ def test_the_server_app_imports_no_client_code_and_no_engine() -> None:
     assert not [c for c in tree.heavy() if c[-1].startswith("mlx")]
 
 
-@pytest.mark.parametrize("module", ["server.app", "server.pipeline", "server.session"])
+@pytest.mark.parametrize(
+    "module", ["server.serve.app", "server.decode.pipeline", "server.core.session"]
+)
 def test_the_server_core_imports_without_mlx(module: str) -> None:
     """The streaming core and its test double need no MLX (``ScriptedEngine`` stands in)."""
     code = BLOCK_MLX + f"import {module}; import tests.helpers; tests.helpers.ScriptedEngine()"
@@ -186,13 +248,13 @@ def test_the_server_core_imports_without_mlx(module: str) -> None:
 
 
 def main() -> None:
-    """Print what ``import server.app`` pulls in, and the chain to each heavy module."""
-    tree, process = record_imports("import server.app")
+    """Print what ``import server.serve.app`` pulls in, and the chain to each heavy module."""
+    tree, process = record_imports("import server.serve.app")
     if process.returncode != 0:
         sys.stderr.write(process.stderr)
         raise SystemExit(process.returncode)
     ours = sorted(m for m in tree.parents if m.split(".")[0] in ("server", "client"))
-    sys.stdout.write("server.app imports: " + " ".join(ours) + "\n")
+    sys.stdout.write("server.serve.app imports: " + " ".join(ours) + "\n")
     for chain in tree.heavy():
         if len(chain) == 1 or not _is_heavy(chain[-2]):  # where the chain enters the package
             sys.stdout.write(" -> ".join(chain) + "\n")

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from server.engine_api import DecodeRequest, Window
-from server.errors import ModelError
-from server.lanes import LaneLost, ProcessLane, ThreadLane
+from server.core.engine_api import DecodeRequest, Window
+from server.decode.lanes import LaneLost, ProcessLane, ThreadLane
+from server.protocol.errors import ModelError
 from tests.helpers import GatedEngine, ScriptedEngine, scripted_engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -14,11 +14,11 @@ from bench.accuracy import modelled_cost_s
 from bench.corpus import ManifestRow, load_clip, wer
 from bench.simulate import SimulationResult, simulate
 from server.config import LanguageConfig, StreamingConfig
+from server.core.engine_api import DecodeOptions
+from server.core.language import LanguageDecision, LanguageTracker
 from server.engine.offline import transcribe_audio
-from server.engine_api import DecodeOptions
-from server.formats import SAMPLE_RATE_HZ
-from server.language import LanguageDecision, LanguageTracker
-from server.messages import DoneMessage, FinalMessage, PartialMessage
+from server.protocol.formats import SAMPLE_RATE_HZ
+from server.protocol.messages import DoneMessage, FinalMessage, PartialMessage
 
 if TYPE_CHECKING:
     from server.engine.engine import Engine

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.errors import ProtocolError
-from server.messages import (
+from server.protocol.errors import ProtocolError
+from server.protocol.messages import (
     AUTO_LANGUAGE,
     MAX_TEXT_MESSAGE_BYTES,
     ConfigMessage,

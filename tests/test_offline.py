@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 from bench.corpus import load_clip, wer
+from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
 from server.engine.engine import Engine
 from server.engine.offline import (
     FALLBACK_TEMPERATURES,
     needs_fallback,
     transcribe_audio,
 )
-from server.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
 
 
 def _result(stop: StopReason, avg_logprob: float = -0.3) -> DecodeResult:

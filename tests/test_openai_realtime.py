@@ -24,10 +24,10 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from bench.corpus import ManifestRow, load_clip, wer
 from bench.http_probe import http_get, metric_value
-from server.app import WhisperwireServer
+from server.apis.openai_realtime import DEFAULT_RATE_HZ, REALTIME_PATH, handshake_problem
 from server.config import ServerConfig, StreamingConfig
-from server.formats import SAMPLE_RATE_HZ
-from server.openai_realtime import DEFAULT_RATE_HZ, REALTIME_PATH, handshake_problem
+from server.protocol.formats import SAMPLE_RATE_HZ
+from server.serve.app import WhisperwireServer
 from tests.helpers import ScriptedEngine
 
 WAIT_S = 120.0  # a bound for waits on the real model on a busy 2-core machine

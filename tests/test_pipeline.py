@@ -20,13 +20,13 @@ import pytest_asyncio
 
 from bench.corpus import load_clip
 from server.config import PipelineConfig
-from server.engine_api import DecodeOptions, DecodeRequest, DecodeResult
-from server.errors import DecodeError
-from server.formats import SAMPLE_RATE_HZ
-from server.messages import ErrorMessage, FinalMessage, ServerMessage
-from server.pipeline import Pipeline
-from server.session import DecodeJob, Session
-from server.stream_driver import DriverOutcome, StreamDriver
+from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult
+from server.core.session import DecodeJob, Session
+from server.decode.pipeline import Pipeline
+from server.decode.stream_driver import DriverOutcome, StreamDriver
+from server.protocol.errors import DecodeError
+from server.protocol.formats import SAMPLE_RATE_HZ
+from server.protocol.messages import ErrorMessage, FinalMessage, ServerMessage
 from tests.helpers import GatedEngine, ScriptedEngine, pcm_frames
 
 # Fixtures run on the session's loop (asyncio_default_fixture_loop_scope); so must the tests,

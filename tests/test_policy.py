@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.hypothesis import Word
-from server.policy import CommitConfig, CommitPolicy
+from server.core.agreement import Word
+from server.core.policy import CommitConfig, CommitPolicy
 
 
 def words(*spec: tuple[str, float, float]) -> list[Word]:

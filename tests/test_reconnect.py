@@ -28,14 +28,14 @@ from client.reconnect import (
 )
 from client.sources import FileSource, SourceError
 from client.stream import ConnectError, StreamFailed
-from server.app import WhisperwireServer
 from server.config import ServerConfig
-from server.formats import AudioFormat
-from server.messages import (
+from server.protocol.formats import AudioFormat
+from server.protocol.messages import (
     ErrorMessage,
     FinalMessage,
     ServerMessage,
 )
+from server.serve.app import WhisperwireServer
 from tests.helpers import ScriptedEngine
 from tests.instances import free_port
 

@@ -38,7 +38,7 @@ from client.render import (
 from client.sources import FileSource
 from client.stream import StreamStats, stream_audio
 from client.subtitles import CueConfig, join_text
-from server.messages import (
+from server.protocol.messages import (
     DoneMessage,
     ErrorMessage,
     FinalMessage,

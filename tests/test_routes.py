@@ -11,10 +11,10 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from bench.http_probe import metric_value
+from server.apis.v1_stream import STREAM_PATH
 from server.config import ServerConfig
 from server.metrics import Metrics
-from server.routes import process_request, response, web_file
-from server.v1_stream import STREAM_PATH
+from server.serve.routes import process_request, response, web_file
 
 
 @dataclass

@@ -24,19 +24,28 @@ from hypothesis import strategies as st
 from bench.accuracy import modelled_cost_s
 from bench.corpus import ManifestRow, find_speech_dir, load_clip, normalize, wer
 from bench.simulate import SimulationResult, simulate
-from server.audio import pcm_s16le_bytes
+from server.apis.v1_stream import apply_text
 from server.config import StreamingConfig
-from server.engine_api import DecodeResult, Window, WordTiming
-from server.errors import (
+from server.core.agreement import normalize_word
+from server.core.engine_api import DecodeResult, Window, WordTiming
+from server.core.session import (
+    MAX_DECODE_FAILURES,
+    DecodeJob,
+    Session,
+    SessionEvent,
+    Settled,
+    StreamSettings,
+)
+from server.protocol.audio import pcm_s16le_bytes
+from server.protocol.errors import (
     AudioFormatError,
     DecodeError,
     FrameTooLargeError,
     ProtocolError,
     StreamError,
 )
-from server.formats import SAMPLE_RATE_HZ, AudioFormat
-from server.hypothesis import normalize_word
-from server.messages import (
+from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
+from server.protocol.messages import (
     MAX_TEXT_MESSAGE_BYTES,
     DoneMessage,
     ErrorMessage,
@@ -48,15 +57,6 @@ from server.messages import (
     SpeechStartedMessage,
     parse_server_message,
 )
-from server.session import (
-    MAX_DECODE_FAILURES,
-    DecodeJob,
-    Session,
-    SessionEvent,
-    Settled,
-    StreamSettings,
-)
-from server.v1_stream import apply_text
 from tests.helpers import ScriptedEngine, hard_clips
 
 if TYPE_CHECKING:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from client.sources import FileSource, MicrophoneSource, SourceError, StdinSource
-from server.audio import pcm_s16le_bytes, read_audio_file
-from server.formats import AudioFormat
+from server.protocol.audio import pcm_s16le_bytes, read_audio_file
+from server.protocol.formats import AudioFormat
 
 SPEECH = Path(__file__).resolve().parents[2] / "shared" / "speech"
 JFK = SPEECH / "misc_en" / "jfk.wav"

@@ -14,7 +14,7 @@ import pytest
 from server.engine import store
 from server.engine.blas import import_mlx
 from server.engine.model import ModelDimensions
-from server.errors import ModelError, ModelFormatError, ModelNotFoundError
+from server.protocol.errors import ModelError, ModelFormatError, ModelNotFoundError
 from tests.helpers import REPO, TINY_EN_DIMS
 
 TINY_EN = ModelDimensions(**TINY_EN_DIMS)

@@ -6,7 +6,7 @@ import pytest
 
 from client.render import format_stats
 from client.stream import LatencyTracker
-from server.messages import FinalMessage, PartialMessage, SpeechStartedMessage
+from server.protocol.messages import FinalMessage, PartialMessage, SpeechStartedMessage
 
 
 def test_latency_tracker_and_stats_report() -> None:

@@ -35,7 +35,7 @@ from client.subtitles import (
     words_from_final,
     words_from_pieces,
 )
-from server.messages import FinalMessage, ServerMessage, WordInfo
+from server.protocol.messages import FinalMessage, ServerMessage, WordInfo
 from tests.subtitle_checks import ReadCue, read_srt, read_vtt, rule_violations
 
 CONFIG = CueConfig()

@@ -4,7 +4,7 @@ words heard again at a seam dropped once."""
 from __future__ import annotations
 
 from client.timeline import drop_seam_repeat, shift_message
-from server.messages import DoneMessage, FinalMessage, PartialMessage, WordInfo
+from server.protocol.messages import DoneMessage, FinalMessage, PartialMessage, WordInfo
 
 
 def words(text: str, start_s: float) -> tuple[WordInfo, ...]:

@@ -6,14 +6,14 @@ import pytest
 from websockets.datastructures import Headers
 from websockets.http11 import Request
 
-from server.adapters import SessionSettings
-from server.apis import STREAM_APIS
+from server.apis.adapters import SessionSettings
+from server.apis.registry import STREAM_APIS
+from server.apis.v1_stream import STREAM_PATH, V1Adapter, apply_text, settings_from_config
 from server.config import StreamingConfig, VadConfig
-from server.errors import ProtocolError
-from server.formats import AudioFormat
-from server.messages import ConfigMessage, FinalMessage
-from server.session import Session, Settled, StreamSettings
-from server.v1_stream import STREAM_PATH, V1Adapter, apply_text, settings_from_config
+from server.core.session import Session, Settled, StreamSettings
+from server.protocol.errors import ProtocolError
+from server.protocol.formats import AudioFormat
+from server.protocol.messages import ConfigMessage, FinalMessage
 
 
 def _settings(multilingual: bool = False) -> SessionSettings:

@@ -9,8 +9,8 @@ import pytest
 
 from bench.corpus import find_speech_dir, load_clip
 from server.config import VadConfig
-from server.formats import SAMPLE_RATE_HZ
-from server.vad import SpeechEnded, SpeechStarted, VadEvent, VadSegmenter
+from server.core.vad import SpeechEnded, SpeechStarted, VadEvent, VadSegmenter
+from server.protocol.formats import SAMPLE_RATE_HZ
 
 SECOND = SAMPLE_RATE_HZ
 MS = SAMPLE_RATE_HZ // 1000

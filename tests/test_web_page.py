@@ -33,7 +33,7 @@ from client.subtitles import (
     words_from_final,
 )
 from client.timeline import drop_seam_repeat, shift_final
-from server.messages import FinalMessage, ServerMessage, WordInfo, parse_server_message
+from server.protocol.messages import FinalMessage, ServerMessage, WordInfo, parse_server_message
 from tests.subtitle_checks import read_srt, read_vtt, rule_violations
 
 if TYPE_CHECKING:
@@ -447,8 +447,8 @@ async def test_a_session_the_server_ends_goes_on_in_a_new_one_on_one_timeline(
     second-last final word of the one before, sent the audio kept from there first. The
     repeat at each seam is dropped as ``client.timeline`` drops it, from the finals, the
     transcript, the downloads and the words alike, and the words land on one timeline."""
-    from server.app import WhisperwireServer
     from server.config import ServerConfig
+    from server.serve.app import WhisperwireServer
 
     config = ServerConfig(host="127.0.0.1", port=0, max_session_s=6.0, capacity_limit=False)
     wav = speech_dir / CLIP

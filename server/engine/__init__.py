@@ -5,6 +5,6 @@ Importing this package loads OpenBLAS before anything imports ``mlx.core`` (see 
 
 from __future__ import annotations
 
-from .blas import preload_openblas
+from server.engine.blas import preload_openblas
 
 preload_openblas()

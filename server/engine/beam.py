@@ -30,9 +30,9 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from ..engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
-from .cpu_step import softmax
-from .decoder import NEG_INF, StreamingDecoder
+from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
+from server.engine.cpu_step import softmax
+from server.engine.decoder import NEG_INF, StreamingDecoder
 
 logger = logging.getLogger("server.engine.beam")
 

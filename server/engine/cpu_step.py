@@ -24,9 +24,9 @@ import mlx.nn as nn
 import numpy as np
 import numpy.typing as npt
 
-from . import cpu_kernels
-from .blas import CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, sgemv, vector_matrix
-from .model import TextDecoder
+from server.engine import cpu_kernels
+from server.engine.blas import CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, sgemv, vector_matrix
+from server.engine.model import TextDecoder
 
 F32 = npt.NDArray[np.float32]
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, as the model's layers use

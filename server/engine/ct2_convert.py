@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ModelFormatError
-from .model import ModelDimensions
+from server.engine.model import ModelDimensions
+from server.protocol.errors import ModelFormatError
 
 _DTYPES: dict[int, npt.DTypeLike] = {
     0: np.float32,

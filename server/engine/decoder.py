@@ -29,7 +29,8 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from ..engine_api import (
+from server.core.agreement import normalize_word
+from server.core.engine_api import (
     DecodeOptions,
     DecodeRequest,
     DecodeResult,
@@ -37,12 +38,11 @@ from ..engine_api import (
     StopReason,
     WordTiming,
 )
-from ..features import AUDIO_TOKENS_PER_SECOND
-from ..hypothesis import normalize_word
-from .blas import vector_matrix
-from .cpu_step import CpuTokenStep, softmax
-from .model import Whisper
-from .words import align_words
+from server.engine.blas import vector_matrix
+from server.engine.cpu_step import CpuTokenStep, softmax
+from server.engine.features import AUDIO_TOKENS_PER_SECOND
+from server.engine.model import Whisper
+from server.engine.words import align_words
 
 logger = logging.getLogger("server.engine.decoder")
 

@@ -19,20 +19,20 @@ import mlx.nn as nn
 import numpy as np
 import numpy.typing as npt
 
-from ..engine_api import DecodeRequest, DecodeResult, Window
-from ..errors import DecodeError
-from ..features import (
+from server.core.engine_api import DecodeRequest, DecodeResult, Window
+from server.engine.beam import search
+from server.engine.blas import set_blas_threads
+from server.engine.decoder import StreamingDecoder, Vocabulary
+from server.engine.features import (
     FRAMES_PER_SECOND,
     N_FRAMES,
     N_SAMPLES,
     log_mel_spectrogram,
 )
-from ..formats import SAMPLE_RATE_HZ
-from .beam import search
-from .blas import set_blas_threads
-from .decoder import StreamingDecoder, Vocabulary
-from .lightning import module as lightning_module
-from .store import DEFAULT_MODEL, LoadedModel, load_model
+from server.engine.lightning import module as lightning_module
+from server.engine.store import DEFAULT_MODEL, LoadedModel, load_model
+from server.protocol.errors import DecodeError
+from server.protocol.formats import SAMPLE_RATE_HZ
 
 logger = logging.getLogger("server.engine")
 

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from ..errors import ModelError
-from .blas import preload_openblas
+from server.engine.blas import preload_openblas
+from server.protocol.errors import ModelError
 
 PACKAGE = "lightning_whisper_mlx"
 

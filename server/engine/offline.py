@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from ..engine_api import (
+from server.core.engine_api import (
     DecodeOptions,
     DecodeRequest,
     DecodeResult,
@@ -27,9 +27,9 @@ from ..engine_api import (
     Window,
     WordTiming,
 )
-from ..features import N_FRAMES, N_SAMPLES
-from ..formats import SAMPLE_RATE_HZ
-from .engine import Engine, EngineConfig
+from server.engine.engine import Engine, EngineConfig
+from server.engine.features import N_FRAMES, N_SAMPLES
+from server.protocol.formats import SAMPLE_RATE_HZ
 
 logger = logging.getLogger("server.engine.offline")
 
@@ -150,7 +150,7 @@ def transcribe_file(
 ) -> Transcript:
     """Load the model, read the file (wav/flac/mp3/ogg) and transcribe it; with
     ``word_timestamps``, the transcript's words carry times (for subtitles)."""
-    from ..audio import read_audio_file
+    from server.protocol.audio import read_audio_file
 
     engine = Engine.load(EngineConfig(model=model))
     if not engine.dims.is_multilingual:

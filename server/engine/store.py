@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ModelError, ModelFormatError, ModelNotFoundError
-from . import ct2_convert
-from .blas import import_mlx
-from .model import ModelDimensions, Whisper
+from server.engine import ct2_convert
+from server.engine.blas import import_mlx
+from server.engine.model import ModelDimensions, Whisper
+from server.protocol.errors import ModelError, ModelFormatError, ModelNotFoundError
 
 logger = logging.getLogger("server.engine.store")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from ..engine_api import WordTiming
-from ..features import AUDIO_TOKENS_PER_SECOND
+from server.core.engine_api import WordTiming
+from server.engine.features import AUDIO_TOKENS_PER_SECOND
 
 FloatArray = npt.NDArray[np.float32]
 MEDIAN_FILTER_WIDTH = 7  # frames; Whisper's default smoothing of attention rows

@@ -18,10 +18,10 @@ import numpy as np
 import numpy.typing as npt
 import soxr
 
-from server.errors import AudioFormatError, FrameTooLargeError
-from server.formats import SAMPLE_RATE_HZ, AudioFormat
+from server.protocol.errors import AudioFormatError, FrameTooLargeError
+from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
 
-logger = logging.getLogger("server.audio")
+logger = logging.getLogger("server.protocol.audio")
 
 _S16_SCALE = 32768.0  # int16 full scale; decode and encode use the same factor so s16 round-trips
 _RESAMPLE_QUALITY = "HQ"

@@ -2,7 +2,7 @@
 
 websockets hands every request to ``process_request`` before any WebSocket handshake; a
 ``Response`` answers it there, None lets the handshake on a stream path go on. The stream
-paths (the APIs of ``server.apis``) are checked here too (readiness, API key, Origin, the
+paths (the APIs of ``server.apis.registry``) are checked here too (readiness, API key, Origin, the
 API's own query), so a refused client gets an HTTP status
 rather than a WebSocket that closes at once.
 
@@ -21,11 +21,11 @@ from urllib.parse import urlsplit
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from .access import api_key_offered, origin_allowed
-from .apis import STREAM_APIS
-from .config import ServerConfig
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .metrics import Metrics
+from server.apis.registry import STREAM_APIS
+from server.config import ServerConfig
+from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from server.metrics import Metrics
+from server.serve.access import api_key_offered, origin_allowed
 
 WEB_FOLDER = "web"  # under the server package
 _STATIC_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")

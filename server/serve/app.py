@@ -38,17 +38,17 @@ from urllib.parse import urlsplit
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
-from .apis import STREAM_APIS
-from .config import PipelineConfig, ServerConfig, StreamingConfig, VadConfig
-from .connection import SHUTDOWN, Connection, close_quietly, refuse
-from .engine_api import SpeechEngine
-from .messages import MAX_TEXT_MESSAGE_BYTES
-from .metrics import Metrics
-from .pipeline import Pipeline
-from .routes import process_request
-from .v1_stream import STREAM_PATH
+from server.apis.registry import STREAM_APIS
+from server.apis.v1_stream import STREAM_PATH
+from server.config import PipelineConfig, ServerConfig, StreamingConfig, VadConfig
+from server.core.engine_api import SpeechEngine
+from server.decode.pipeline import Pipeline
+from server.metrics import Metrics
+from server.protocol.messages import MAX_TEXT_MESSAGE_BYTES
+from server.serve.connection import SHUTDOWN, Connection, close_quietly, refuse
+from server.serve.routes import process_request
 
-logger = logging.getLogger("server.app")
+logger = logging.getLogger("server.serve.app")
 
 # Frames up to max_frame_bytes + this reach our own check, which answers with an error message
 # before closing 1009; larger ones are cut off by websockets itself (1009 without a message).

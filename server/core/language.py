@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import LanguageConfig
+from server.config import LanguageConfig
 
 
 @dataclass(frozen=True)

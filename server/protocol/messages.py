@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from server.errors import ProtocolError
-from server.formats import ENCODINGS, MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, TASKS
+from server.protocol.errors import ProtocolError
+from server.protocol.formats import ENCODINGS, MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, TASKS
 
 PROTOCOL_VERSION = "v1"
 MAX_TEXT_MESSAGE_BYTES = 64 * 1024  # checked before json.loads so a huge text costs no parsing

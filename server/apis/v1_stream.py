@@ -14,10 +14,12 @@ from urllib.parse import parse_qs, urlsplit
 
 from websockets.http11 import Request
 
-from .adapters import SessionSettings, StreamApi
-from .errors import ProtocolError, StreamError
-from .formats import AudioFormat
-from .messages import (
+from server.apis.adapters import SessionSettings, StreamApi
+from server.core.session import Session, Settled, StreamSettings
+from server.decode.stream_driver import AdapterEvent, Outgoing, StreamDriver
+from server.protocol.errors import ProtocolError, StreamError
+from server.protocol.formats import AudioFormat
+from server.protocol.messages import (
     AUTO_LANGUAGE,
     ConfigMessage,
     EndMessage,
@@ -25,8 +27,6 @@ from .messages import (
     FlushMessage,
     parse_client_message,
 )
-from .session import Session, Settled, StreamSettings
-from .stream_driver import AdapterEvent, Outgoing, StreamDriver
 
 STREAM_PATH = "/v1/stream"
 QUERY_FIELDS = ("sample_rate", "encoding", "language", "task")

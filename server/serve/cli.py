@@ -32,15 +32,15 @@ from collections.abc import Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .config import PipelineConfig, ServerConfig, StreamingConfig
-from .engine.store import DEFAULT_MODEL, available_models
-from .errors import ModelError
-from .policy import CommitConfig
+from server.config import PipelineConfig, ServerConfig, StreamingConfig
+from server.core.policy import CommitConfig
+from server.engine.store import DEFAULT_MODEL, available_models
+from server.protocol.errors import ModelError
 
 if TYPE_CHECKING:
-    from .engine.engine import Engine, EngineConfig
+    from server.engine.engine import Engine, EngineConfig
 
-logger = logging.getLogger("server.cli")
+logger = logging.getLogger("server.serve.cli")
 
 API_KEY_ENV = "WHISPERWIRE_API_KEY"
 EXIT_OK = 0
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             capacity_hop_s=args.capacity_hop_s,
             capacity_utilization=args.capacity_utilization,
         )
-        from .engine.engine import EngineConfig
+        from server.engine.engine import EngineConfig
 
         engine_config = EngineConfig(
             model=args.model, dtype=args.dtype, quantize_bits=args.quantize_bits
@@ -273,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(args.log_level)
 
     # Imported here: the engine pulls in MLX, which --help does not need.
-    from .app import run_server
-    from .engine.engine import default_decode_lanes
+    from server.engine.engine import default_decode_lanes
+    from server.serve.app import run_server
 
     if args.decode_lanes is None:
         pipeline = replace(pipeline, decode_lanes=default_decode_lanes())
@@ -307,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
 def load_engine(config: EngineConfig) -> Engine:
     """Load the model for one decode lane; runs on the lane (a thread, or a child process:
     so it is a module-level function, which pickles)."""
-    from .engine.blas import check_blas
-    from .engine.engine import Engine
+    from server.engine.blas import check_blas
+    from server.engine.engine import Engine
 
     check_blas()
     return Engine.load(config)

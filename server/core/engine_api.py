@@ -23,7 +23,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from .formats import TASKS
+from server.protocol.formats import TASKS
 
 Float32Array = npt.NDArray[np.float32]
 

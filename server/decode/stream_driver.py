@@ -13,11 +13,11 @@ import enum
 import logging
 from dataclasses import dataclass
 
-from .messages import ErrorMessage, ServerMessage
-from .pipeline import Pipeline
-from .session import DecodeJob, Session, SessionEvent, StreamSettings
+from server.core.session import DecodeJob, Session, SessionEvent, StreamSettings
+from server.decode.pipeline import Pipeline
+from server.protocol.messages import ErrorMessage, ServerMessage
 
-logger = logging.getLogger("server.stream_driver")
+logger = logging.getLogger("server.decode.stream_driver")
 
 
 @dataclass(frozen=True)

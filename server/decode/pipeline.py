@@ -7,9 +7,9 @@
       -> back on the loop (call_soon_threadsafe)   Session.receive_result -> messages
 
 ``Pipeline`` is shared by all connections: it owns the engine, the feature threads, the
-scheduler and the decode lanes (``server.lanes``): this process's decode thread, and one
+scheduler and the decode lanes (``server.decode.lanes``): this process's decode thread, and one
 child process per further lane, so that each core decodes a batch of its own.
-Each connection's ``StreamDriver`` (``server.stream_driver``) takes its session's next job,
+Each connection's ``StreamDriver`` (``server.decode.stream_driver``) takes its session's next job,
 sends it through the pipeline and folds the result back into the session.
 
 Back-pressure and bounds: a session has at most one job in flight, the scheduler's queue holds
@@ -23,9 +23,9 @@ to the queue for another lane, and a new child replaces it. Nothing sleeps to po
 (``Pipeline.close``) is awaited.
 
 Capacity: every engine call the lanes make for clients is timed into ``Pipeline.capacity``
-(``server.capacity``), which the app asks how many streams to admit. ``start`` seeds it with a
-few timed calls on synthetic windows, so the estimate exists before the first client. The same
-model sets how many windows a call takes (``CapacityModel.batch_size``: the batch that brings
+(``server.decode.capacity``), which the app asks how many streams to admit. ``start`` seeds it
+with a few timed calls on synthetic windows, so the estimate exists before the first client. The
+same model sets how many windows a call takes (``CapacityModel.batch_size``: the batch that brings
 words to their final soonest) and the least audio a stream gathers between decodes.
 
 Late binding: a window waits in the queue as a claim on a lane; when a lane takes it, its
@@ -49,17 +49,17 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .capacity import CapacityModel
-from .config import PipelineConfig
-from .engine_api import DecodeRequest, DecodeResult, SpeechEngine, Window
-from .errors import DecodeError
-from .formats import SAMPLE_RATE_HZ
-from .lanes import LaneLost, ProcessLane, ThreadLane
-from .lanes import settle_future as _settle
-from .metrics import Metrics
-from .session import DecodeJob
+from server.config import PipelineConfig
+from server.core.engine_api import DecodeRequest, DecodeResult, SpeechEngine, Window
+from server.core.session import DecodeJob
+from server.decode.capacity import CapacityModel
+from server.decode.lanes import LaneLost, ProcessLane, ThreadLane
+from server.decode.lanes import settle_future as _settle
+from server.metrics import Metrics
+from server.protocol.errors import DecodeError
+from server.protocol.formats import SAMPLE_RATE_HZ
 
-logger = logging.getLogger("server.pipeline")
+logger = logging.getLogger("server.decode.pipeline")
 
 Float32Array = npt.NDArray[np.float32]
 

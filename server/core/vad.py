@@ -22,11 +22,11 @@ import numpy as np
 import numpy.typing as npt
 import webrtcvad
 
-from server.audio import pcm_s16le_bytes
 from server.config import VadConfig
-from server.formats import SAMPLE_RATE_HZ
+from server.protocol.audio import pcm_s16le_bytes
+from server.protocol.formats import SAMPLE_RATE_HZ
 
-logger = logging.getLogger("server.vad")
+logger = logging.getLogger("server.core.vad")
 
 # A fresh webrtcvad calls the first ~70-120 ms after digital silence speech, even for faint
 # noise (measured on webrtcvad-wheels 2.0.14: 3-4 frames of 30 ms at every aggressiveness).

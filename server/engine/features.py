@@ -12,7 +12,7 @@ from functools import lru_cache
 import numpy as np
 import numpy.typing as npt
 
-from .formats import SAMPLE_RATE_HZ
+from server.protocol.formats import SAMPLE_RATE_HZ
 
 N_FFT = 400  # 25 ms at 16 kHz
 HOP_LENGTH = 160  # 10 ms at 16 kHz
@@ -31,7 +31,7 @@ def mel_filters(n_mels: int) -> Float32Array:
     """Whisper's mel filter bank (n_mels, N_FFT // 2 + 1), from lightning-whisper-mlx's assets."""
     if n_mels not in (80, 128):
         raise ValueError(f"n_mels must be 80 or 128; got {n_mels}")
-    from .engine.lightning import asset
+    from server.engine.lightning import asset
 
     with np.load(asset("mel_filters.npz")) as data:
         return np.asarray(data[f"mel_{n_mels}"], dtype=np.float32)

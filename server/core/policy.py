@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .hypothesis import LocalAgreement, Word, normalize_word
+from server.core.agreement import LocalAgreement, Word, normalize_word
 
 
 @dataclass(frozen=True)

@@ -35,15 +35,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from .audio import PcmDecoder
-from .buffer import SampleBuffer
-from .config import StreamingConfig, VadConfig
-from .engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
-from .errors import ProtocolError
-from .formats import SAMPLE_RATE_HZ, AudioFormat
-from .hypothesis import Word, normalize_word
-from .language import LanguageTracker
-from .messages import (
+from server.config import StreamingConfig, VadConfig
+from server.core.agreement import Word, normalize_word
+from server.core.buffer import SampleBuffer
+from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
+from server.core.language import LanguageTracker
+from server.core.policy import CommitConfig, CommitPolicy
+from server.core.vad import SpeechEnded, SpeechStarted, VadSegmenter
+from server.protocol.audio import PcmDecoder
+from server.protocol.errors import ProtocolError
+from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
+from server.protocol.messages import (
     DoneMessage,
     ErrorMessage,
     FinalMessage,
@@ -53,10 +55,8 @@ from .messages import (
     SpeechStartedMessage,
     WordInfo,
 )
-from .policy import CommitConfig, CommitPolicy
-from .vad import SpeechEnded, SpeechStarted, VadSegmenter
 
-logger = logging.getLogger("server.session")
+logger = logging.getLogger("server.core.session")
 
 Float32Array = npt.NDArray[np.float32]
 SENTENCE_END = (".", "?", "!", "。", "？", "！")

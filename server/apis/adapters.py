@@ -26,11 +26,11 @@ from typing import Protocol
 
 from websockets.http11 import Request
 
-from .config import StreamingConfig, VadConfig
-from .errors import StreamError
-from .messages import ErrorMessage
-from .session import Session
-from .stream_driver import Outgoing, StreamDriver
+from server.config import StreamingConfig, VadConfig
+from server.core.session import Session
+from server.decode.stream_driver import Outgoing, StreamDriver
+from server.protocol.errors import StreamError
+from server.protocol.messages import ErrorMessage
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Adapter(Protocol):
 
 @dataclass(frozen=True)
 class StreamApi:
-    """One streaming API as the server serves it: its registry entry (``server.apis``)."""
+    """One streaming API as the server serves it: its registry entry (``server.apis.registry``)."""
 
     path: str  # the WebSocket path it is served on
     auth_schemes: tuple[str, ...]  # Authorization schemes that carry the API key

@@ -28,10 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from .engine_api import SpeechEngine
-from .errors import DecodeError
+from server.core.engine_api import SpeechEngine
+from server.protocol.errors import DecodeError
 
-logger = logging.getLogger("server.lanes")
+logger = logging.getLogger("server.decode.lanes")
 
 T = TypeVar("T")
 EngineCall = Callable[[SpeechEngine], T]

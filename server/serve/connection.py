@@ -27,17 +27,17 @@ from typing import Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from .adapters import Adapter, SessionSettings
-from .config import ServerConfig, StreamingConfig, VadConfig
-from .errors import StreamError
-from .messages import ReadyMessage
-from .metrics import Metrics
-from .pipeline import Pipeline
-from .session import Session
-from .stream_driver import DriverOutcome, StreamDriver
-from .v1_stream import V1Adapter
+from server.apis.adapters import Adapter, SessionSettings
+from server.apis.v1_stream import V1Adapter
+from server.config import ServerConfig, StreamingConfig, VadConfig
+from server.core.session import Session
+from server.decode.pipeline import Pipeline
+from server.decode.stream_driver import DriverOutcome, StreamDriver
+from server.metrics import Metrics
+from server.protocol.errors import StreamError
+from server.protocol.messages import ReadyMessage
 
-logger = logging.getLogger("server.connection")
+logger = logging.getLogger("server.serve.connection")
 
 MAX_CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's payload is at most 125 bytes
 

@@ -34,10 +34,12 @@ from urllib.parse import parse_qs, urlsplit
 
 from websockets.http11 import Request
 
-from .adapters import SessionSettings, StreamApi
-from .errors import ProtocolError, StreamError
-from .formats import MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, AudioFormat
-from .messages import (
+from server.apis.adapters import SessionSettings, StreamApi
+from server.core.session import Session, Settled
+from server.decode.stream_driver import AdapterEvent, Outgoing, StreamDriver
+from server.protocol.errors import ProtocolError, StreamError
+from server.protocol.formats import MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, AudioFormat
+from server.protocol.messages import (
     DoneMessage,
     ErrorMessage,
     FinalMessage,
@@ -45,8 +47,6 @@ from .messages import (
     SpeechEndedMessage,
     SpeechStartedMessage,
 )
-from .session import Session, Settled
-from .stream_driver import AdapterEvent, Outgoing, StreamDriver
 
 REALTIME_PATH = "/v1/realtime"
 DEFAULT_RATE_HZ = 24_000  # OpenAI's PCM16 is 24 kHz; the session resamples it to 16 kHz

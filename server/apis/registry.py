@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from . import deepgram_live, openai_realtime, v1_stream
-from .adapters import StreamApi
+from server.apis import deepgram_live, openai_realtime, v1_stream
+from server.apis.adapters import StreamApi
 
 STREAM_APIS: Mapping[str, StreamApi] = {
     api.path: api for api in (v1_stream.API, openai_realtime.API, deepgram_live.API)
