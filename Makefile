@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # carry more than two workers. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 3
 
-.PHONY: install run test lint browser haproxy bench bench-engine bench-decoder bench-beam bench-streaming bench-capacity clean
+.PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-beam bench-streaming bench-capacity clean
 .PHONY: peer bench-latency bench-accuracy tmux
 
 install: $(STAMP)
@@ -49,8 +49,14 @@ tmux:
 	  else echo "tmux missing: sudo apt-get install tmux (terminal tests will be skipped)"; fi; }
 
 # --dist loadgroup: tests spread one by one, except those an xdist_group keeps on one worker.
+# The 15 slowest are listed at the end: what to look at when the suite grows.
 test: $(STAMP) browser haproxy tmux
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS)
+
+# The edit loop: lint, then every test that needs neither the model, a server, a browser nor
+# real-time streaming (tests/conftest.py marks those "heavy"). make test runs them all.
+check: lint
+	$(PY) -m pytest -q -n 2 -m "not heavy" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check server client tests bench

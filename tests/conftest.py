@@ -38,9 +38,23 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             load_model(name)
 
 
+# Fixtures that load the real model or start a real server: a test that uses one is "heavy"
+# (``make check`` leaves those to ``make test``), as are the slow and browser ones.
+HEAVY_FIXTURES = frozenset({"engine", "base_engine", "offline_text", "server_url"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, the ``slow`` tests go first (order only): started last, a test of
-    minutes keeps one worker busy after the others have run out of work."""
+    """Marks the heavy tests (``HEAVY_FIXTURES``, ``slow``, ``browser``, and the modules that
+    mark themselves). Under pytest-xdist, the ``slow`` tests go first (order only): started
+    last, a test of minutes keeps one worker busy after the others have run out of work."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if (
+            fixtures & HEAVY_FIXTURES
+            or item.get_closest_marker("slow")
+            or item.get_closest_marker("browser")
+        ):
+            item.add_marker(pytest.mark.heavy)
     if getattr(config.option, "numprocesses", None):
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
