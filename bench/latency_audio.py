@@ -83,10 +83,10 @@ def align_recording(engine: Engine, audio: Float32Array) -> Aligned:
         result = engine.decode_windows([window])[0]
         offset_s = seek / SAMPLE_RATE_HZ
         advance = chunk.shape[0]
-        if result.is_speech and result.segments:
-            done = [s for s in result.segments if s.end_s >= 0]
-            tail = [s for s in result.segments if s.end_s < 0]
-            keep = list(result.segments)
+        if result.is_speech and result.spans:
+            done = [s for s in result.spans if s.end_s >= 0]
+            tail = [s for s in result.spans if s.end_s < 0]
+            keep = list(result.spans)
             if tail and done and chunk.shape[0] == N_SAMPLES:
                 advance = round(done[-1].end_s * SAMPLE_RATE_HZ)
                 keep = done

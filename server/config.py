@@ -56,7 +56,7 @@ class LanguageConfig:
 
     decide_speech_s: float = 2.0  # a detection on a shorter window never decides
     confident_probability: float = 0.9  # what a detection needs to decide (or switch)
-    # A segment still unsure after this much speech takes the session's language, or the best
+    # An utterance still unsure after this much speech takes the session's language, or the best
     # guess; its words cannot wait for finals forever (nor past a window cap: a cut decides).
     decide_max_speech_s: float = 8.0
 
@@ -74,7 +74,7 @@ class StreamingConfig:
     language: str | None = "en"  # None: detect (multilingual models only)
     task: str = "transcribe"
     min_new_audio_ms: int = 300  # re-decode once this much new speech arrived
-    first_decode_ms: int = 200  # decode cadence of a segment until it shows its first word
+    first_decode_ms: int = 200  # decode cadence of an utterance until it shows its first word
     max_window_s: float = 15.0  # cut the window at a committed boundary beyond this
     # The cap instead while streams outnumber decode lanes, so that each stream's decodes stay
     # short. bench-accuracy, one stream (modelled cost), long recordings: 10 s windows 9.22%
@@ -143,9 +143,9 @@ class PipelineConfig:
     max_batch_size: int = 8  # windows decoded together in one engine call
     batch_wait_ms: float = 30.0  # how long the stalest window may wait for other streams' ones
     feature_workers: int = 2  # threads computing log-mel (NumPy releases the GIL)
-    max_queued_windows: int = 256  # windows waiting for the decode worker; more wait upstream
+    max_queued_windows: int = 256  # windows waiting for a decode lane; more wait upstream
     capacity_hop_s: float = 1.0  # the longest a stream may wait between two of its decodes
-    capacity_utilization: float = 0.8  # share of that hop the decode worker may plan to be busy
+    capacity_utilization: float = 0.8  # share of that hop the decode lanes may plan to be busy
 
     def __post_init__(self) -> None:
         if not 1 <= self.decode_lanes <= MAX_DECODE_LANES:
@@ -175,7 +175,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8765  # 0: any free port (tests)
     max_sessions: int = 32  # concurrent streams; more are refused with close 1013
-    # Also refuse (1013) a stream beyond what the decode worker is measured to keep in real
+    # Also refuse (1013) a stream beyond what the decode lanes are measured to keep in real
     # time (PipelineConfig.capacity_hop_s); off: only max_sessions limits.
     capacity_limit: bool = True
     max_session_s: float = 4 * 3600.0  # wall-clock or audio seconds, whichever comes first

@@ -1,7 +1,7 @@
 """Server metrics: counters, gauges and histograms rendered in Prometheus text format (0.0.4).
 
-Every update happens on the event loop thread (the decode worker hands its timings back to the
-loop with its results), so nothing here takes a lock. ``Metrics`` holds one instance of each
+Every update happens on the event loop thread (the decode lanes hand their timings back to the
+loop with their results), so nothing here takes a lock. ``Metrics`` holds one instance of each
 metric the server exports; ``Metrics.render()`` is what ``GET /metrics`` returns.
 """
 

@@ -147,7 +147,7 @@ class ScriptedEngine:
         return DecodeResult(
             tokens=tuple(t for w in words for t in w.tokens),
             text="".join(w.word for w in words),
-            segments=(),
+            spans=(),
             words=words,
             language="en",
             avg_logprob=-0.1,

@@ -356,7 +356,7 @@ def _assert_same_decode(spec: DecodeResult, plain: DecodeResult) -> None:
     assert spec.sequence == plain.sequence
     assert spec.stop_reason == plain.stop_reason
     assert spec.text == plain.text
-    assert spec.segments == plain.segments
+    assert spec.spans == plain.spans
     assert spec.n_generated == plain.n_generated
     assert [(w.word, w.tokens) for w in spec.words] == [(w.word, w.tokens) for w in plain.words]
     for a, b in zip(spec.words, plain.words, strict=True):

@@ -160,12 +160,12 @@ def test_greedy_tokens_equal_lightning_reference(
     eot, tb = engine.vocab.eot, engine.vocab.timestamp_begin
     assert list(p.ours.tokens) == [t for t in p.reference if t < eot]
     assert p.ours.stop_reason == StopReason.EOT
-    # Segment boundaries are the reference's timestamp tokens, pair by pair, up to the end
+    # TextSpan boundaries are the reference's timestamp tokens, pair by pair, up to the end
     # of the audio: our decoder forbids timestamps past the real audio, the reference does not
     # (it ends cards_002, 1.96 s long, at <|2.00|>).
     stamps = [round((t - tb) * 0.02, 2) for t in p.reference if t >= tb]
     inside = len([x for x in stamps if x <= p.audio_s])
-    ours = [round(x, 2) for s in p.ours.segments for x in (s.start_s, s.end_s) if x >= 0]
+    ours = [round(x, 2) for s in p.ours.spans for x in (s.start_s, s.end_s) if x >= 0]
     assert ours[:inside] == stamps[:inside]
 
 

@@ -22,7 +22,7 @@ def _result(stop: StopReason, avg_logprob: float = -0.3) -> DecodeResult:
     return DecodeResult(
         tokens=(1,),
         text=" x",
-        segments=(),
+        spans=(),
         words=(),
         language="en",
         avg_logprob=avg_logprob,
@@ -106,7 +106,7 @@ def test_beam_search_transcribes_a_long_recording(engine: Engine, speech_dir: Pa
     before it, timestamps that go forward, and the whole recording covered."""
     audio = load_clip(speech_dir / "librispeech_test-other/long/367-130732.concat.wav")
     transcript = transcribe_audio(engine, audio, DecodeOptions(word_timestamps=False, beam_size=5))
-    starts = [s.start_s for s in transcript.segments]
+    starts = [s.start_s for s in transcript.spans]
     assert starts == sorted(starts)
-    assert transcript.segments[-1].end_s > audio.shape[0] / 16000 - 5.0
+    assert transcript.spans[-1].end_s > audio.shape[0] / 16000 - 5.0
     assert "lobster" in transcript.text.lower() and len(transcript.text.split()) > 150

@@ -12,7 +12,7 @@ What the server sends:
 - ``Results`` with ``is_final: true``: our finals, with word times and confidences. The finals
   of speech that has ended (or was finalised) are held until all of it is final, then sent as
   one ``Results`` with ``speech_final: true`` (or ``from_finalize: true``): holding costs
-  nothing, as that moment comes with the last decode of the segment.
+  nothing, as that moment comes with the last decode of the utterance.
 - ``SpeechStarted`` (``vad_events=true``), ``UtteranceEnd`` (``utterance_end_ms``: sent once
   the audio has run that long past the last final word with no new words), ``Metadata`` after
   ``CloseStream``, then close 1000; ``Error`` for refused input.

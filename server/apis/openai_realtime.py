@@ -13,7 +13,7 @@ Server events: ``session.created`` / ``session.updated`` (beta: ``transcription_
 ``input_audio_buffer.speech_started`` / ``speech_stopped`` / ``committed`` / ``cleared``,
 ``conversation.item.input_audio_transcription.delta`` and ``.completed``, ``error``.
 
-Items are turns: with ``server_vad`` (the default) a turn is one speech segment of our voice
+Items are turns: with ``server_vad`` (the default) a turn is one utterance of our voice
 activity detector; with ``turn_detection: null`` it is the audio between two commits. Deltas
 carry our finals only, never a partial: a delta cannot be taken back, and a partial may be
 revised. So the deltas of an item always add up to its ``completed`` transcript, and the first
@@ -65,7 +65,7 @@ UNSUPPORTED_EVENTS = (
 _TRANSCRIPTION_OPTIONS = ("model", "language", "prompt")
 _VAD_OPTIONS = ("type", "threshold", "prefix_padding_ms", "silence_duration_ms")
 _VAD_FLAGS = ("create_response", "interrupt_response")  # not for transcription sessions
-# A commit or clear closes the session's segment where its resampled audio ends, which is up
+# A commit or clear closes the session's utterance where its resampled audio ends, which is up
 # to the resampler's delay (a few ms) before the client's count of seconds appended.
 _BOUNDARY_SLACK_S = 0.05
 
@@ -215,7 +215,7 @@ class RealtimeAdapter:
             _reject_unknown(event, ("type", "event_id"), "")
             flushed = self._uncommitted
             if flushed:
-                # The audio cannot be taken back from the stream; its segment is closed here
+                # The audio cannot be taken back from the stream; its utterance is closed here
                 # and its text dropped when it comes.
                 driver.flush()
             self._uncommitted = False

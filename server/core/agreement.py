@@ -1,9 +1,10 @@
-"""The commit policy: which decoded words are final and which are still tentative.
+"""Agreement between successive decodes: which words they confirm, and which are tentative.
 
-LocalAgreement-n (whisper_streaming; Macháček, Dabre and Bojar, 2023): the window is decoded
-again as audio arrives, and a word becomes final once n consecutive decodes agree on it and on
-everything before it. The decoder is forced with the words already committed in the window,
-so each hypothesis handed in here is only the new tail after them.
+LocalAgreement-n (whisper_streaming; Macháček, Dabre and Bojar, 2023), which the commit policy
+(``policy.py``) builds on: the window is decoded again as audio arrives, and a word becomes
+final once n consecutive decodes agree on it and on everything before it. The decoder is
+forced with the words already committed in the window, so each hypothesis handed in here is
+only the new tail after them.
 """
 
 from __future__ import annotations

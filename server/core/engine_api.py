@@ -60,7 +60,8 @@ class DecodeOptions:
     # Run language detection even when ``language`` is given (DecodeResult.detected): a stream
     # that decodes in its current language checks whether the speaker has switched.
     detect_language: bool = False
-    timestamps: bool = True  # segment timestamp tokens; they also curb loops on short contexts
+    # Timestamp tokens around text spans; they also curb loops on short contexts.
+    timestamps: bool = True
     word_timestamps: bool = True  # word times from cross-attention alignment (DTW)
     max_initial_timestamp_s: float = 1.0  # the first timestamp may not be later than this
     max_tokens_per_audio_s: float = 12.0  # token cap: 8 + this x audio seconds
@@ -126,7 +127,9 @@ class DecodeRequest:
 
 @dataclass(frozen=True)
 class Window:
-    """One window's log-mel and its request: what the decode worker takes."""
+    """A job's log-mel and its request: what a decode lane hands the engine. (The window in
+    flight is a ``DecodeJob`` in the core, the scheduler's queued job in ``server.decode``,
+    and this at the engine.)"""
 
     mel: Float32Array  # (context frames, n_mels), from SpeechEngine.features
     request: DecodeRequest
@@ -142,7 +145,7 @@ class WordTiming:
 
 
 @dataclass(frozen=True)
-class Segment:
+class TextSpan:
     """A stretch of the output between two timestamp tokens."""
 
     start_s: float
@@ -155,7 +158,7 @@ class Segment:
 class DecodeResult:
     tokens: tuple[int, ...]  # text tokens after the prompt, forced prefix included
     text: str
-    segments: tuple[Segment, ...]
+    spans: tuple[TextSpan, ...]
     words: tuple[WordTiming, ...]  # empty unless word_timestamps
     language: str | None
     avg_logprob: float
@@ -187,8 +190,9 @@ class SpeechEngine(Protocol):
     """The engine as the pipeline uses it; ``server.engine.engine.Engine`` is the real one.
 
     ``features`` must be safe to call from several threads at once (it runs in the feature
-    pool); everything else is called only from the decode worker thread, except ``name``,
-    ``dims`` and ``encode_text`` (the session's tokenizer), which must not touch MLX.
+    pool); everything else is called only from the thread of the decode lane that owns it,
+    except ``name``, ``dims`` and ``encode_text`` (the session's tokenizer), which must not
+    touch MLX.
     """
 
     @property

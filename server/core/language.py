@@ -1,15 +1,15 @@
 """Which language a session speaks, when the client asked the server to detect it.
 
 Whisper's detector reads the logits after <|startoftranscript|>; on a short window it guesses.
-``LanguageTracker`` turns the guess of each decode into a decision per speech segment:
+``LanguageTracker`` turns the guess of each decode into a decision per utterance:
 
-- A segment is decided once a window with ``decide_speech_s`` of audio gives a language with
+- An utterance is decided once a window with ``decide_speech_s`` of audio gives a language with
   ``confident_probability`` or more; until then its words stay partial (nothing is final in a
   language the detector is unsure of).
-- A segment that never gets there is decided on its closing decode, or once its window holds
-  ``decide_max_speech_s``: the session's language if it has one (a short or unclear segment
+- An utterance that never gets there is decided on its closing decode, or once its window holds
+  ``decide_max_speech_s``: the session's language if it has one (a short or unclear utterance
   does not switch it), else the best guess.
-- Each new segment is checked again, so a speaker who switches is followed; the confidence
+- Each new utterance is checked again, so a speaker who switches is followed; the confidence
   rule above is the hysteresis that keeps it from flapping.
 
 No I/O: the session feeds it each decode's detection and asks which language to decode in.
@@ -24,7 +24,7 @@ from server.config import LanguageConfig
 
 @dataclass(frozen=True)
 class LanguageDecision:
-    """A segment's language, and whether it changed the session's."""
+    """An utterance's language, and whether it changed the session's."""
 
     language: str
     probability: float  # the detector's, on the window that decided
@@ -32,16 +32,16 @@ class LanguageDecision:
 
 
 class LanguageTracker:
-    """The session's detected language and how each segment settles its own."""
+    """The session's detected language and how each utterance settles its own."""
 
     def __init__(self, config: LanguageConfig) -> None:
         self.config = config
-        self.language: str | None = None  # None until the first segment is decided
+        self.language: str | None = None  # None until the first utterance is decided
         self.probability: float | None = None
 
     def decode_language(self) -> str | None:
-        """The language an undecided segment is decoded in: the session's, or None (the
-        decoder detects per window) before any segment was decided."""
+        """The language an undecided utterance is decoded in: the session's, or None (the
+        decoder detects per window) before any utterance was decided."""
         return self.language
 
     def observe(
@@ -52,17 +52,17 @@ class LanguageTracker:
         closing: bool,
         is_speech: bool,
     ) -> LanguageDecision | None:
-        """Fold one decode's detection of an undecided segment; the decision, or None while
-        the segment stays undecided.
+        """Fold one decode's detection of an undecided utterance; the decision, or None while
+        the utterance stays undecided.
 
-        ``window_s``: audio in the decoded window (the segment's speech so far, as its first
-        window starts at the onset). ``closing``: the window reaches the segment's end."""
+        ``window_s``: audio in the decoded window (the utterance's speech so far, as its first
+        window starts at the onset). ``closing``: the window reaches the utterance's end."""
         c = self.config
         forced = closing or window_s >= c.decide_max_speech_s
         if detected is None or not is_speech:
             if not forced:
                 return None
-            # Nothing heard to judge by: the segment has no text, and the session's language
+            # Nothing heard to judge by: the utterance has no text, and the session's language
             # stays as it is.
             fallback = self.language or (detected[0] if detected else None)
             if fallback is None:

@@ -1,7 +1,7 @@
 """When a decoded word may become final: the commit policy of one window.
 
 A final is never revised, so a word is committed only once the decoder has heard enough
-around it. ``CommitPolicy`` wraps LocalAgreement-n (``hypothesis.py``) and adds the rules
+around it. ``CommitPolicy`` wraps LocalAgreement-n (``agreement.py``) and adds the rules
 that bench/accuracy.py measured, one by one, against offline decoding of the same clips:
 
 - a word commits only with ``min_right_context_s`` of audio after its end in the window

@@ -8,7 +8,7 @@ adapter turns its client's messages into these calls. Every piece of state about
 lives on this object.
 
 How text is produced:
-- webrtcvad splits the stream into speech segments (``vad.py``).
+- webrtcvad splits the stream into utterances (``vad.py``).
 - While speech goes on, the window -- the audio since the last cut -- is decoded again each
   time ``min_new_audio_ms`` of new audio has arrived and no decode of this session is in
   flight. Words already committed in the window are forced as the decoder's prefix, so each
@@ -62,8 +62,8 @@ Float32Array = npt.NDArray[np.float32]
 SENTENCE_END = (".", "?", "!", "。", "？", "！")
 CLAUSE_END = (",", ";", ":", "，", "；", "：")
 CUT_OVERLAP_WORDS = 3  # longest repeat of the pre-cut words looked for after a cut
-MAX_DECODE_FAILURES = 3  # per segment, before its remaining audio is given up with an error
-FIRST_WORDS_WINDOW_S = 3.0  # a segment without words after this decodes at the usual pace
+MAX_DECODE_FAILURES = 3  # per utterance, before its remaining audio is given up with an error
+FIRST_WORDS_WINDOW_S = 3.0  # an utterance without words after this decodes at the usual pace
 IDLE_KEEP_S = 1.0  # audio kept while nobody speaks, for the VAD's look-back padding
 TAIL_RETRY_S = 1.0  # speech left after a closing decode's last word that is decoded again
 
@@ -73,13 +73,13 @@ class StreamSettings:
     """What a client chooses for its stream; each API maps its own options onto these."""
 
     audio_format: AudioFormat = field(default_factory=AudioFormat)
-    language: str | None = "en"  # None: detected per segment (multilingual models only)
+    language: str | None = "en"  # None: detected per utterance (multilingual models only)
     task: str = "transcribe"
 
 
 @dataclass(frozen=True)
 class Settled:
-    """Every segment of speech closed so far (at the end of speech, a flush or the end) is
+    """Every utterance closed so far (at the end of speech, a flush or the end) is
     finished: all of its words were sent, as finals, before this event. The APIs that speak
     in turns (OpenAI's items, Deepgram's ``speech_final``) close a turn on it."""
 
@@ -108,7 +108,7 @@ class DecodeJob:
 
 
 @dataclass
-class _Segment:
+class _Utterance:
     """One stretch of speech between VAD boundaries (or a flush)."""
 
     start: int  # stream samples
@@ -128,7 +128,7 @@ class _Segment:
     # engine has actually heard: it bounds where a cut may go and measures the lag.
     heard_to: int = 0
     # The language its words are committed in; None while a session that detects its language
-    # has not decided this segment's (its words stay partial until then).
+    # has not decided this utterance's (its words stay partial until then).
     language: str | None = None
     detected: tuple[str, float] | None = None  # the last detection while undecided
 
@@ -163,7 +163,7 @@ class Session:
         self._vad = VadSegmenter(self.vad_config)
         self._buffer = SampleBuffer()
         self._events: list[SessionEvent] = []
-        self._segments: deque[_Segment] = deque()
+        self._utterances: deque[_Utterance] = deque()
         self._prompt: list[int] = []
         self._prompt_ok = True
         self._detector: LanguageTracker | None = None
@@ -210,7 +210,7 @@ class Session:
 
     @property
     def language(self) -> str | None:
-        """The language asked for; None: detected per segment (``LanguageTracker``)."""
+        """The language asked for; None: detected per utterance (``LanguageTracker``)."""
         return self._settings.language
 
     @property
@@ -228,9 +228,9 @@ class Session:
         """Speech received that no finished decode has covered yet (the window in flight
         counts as not covered): how far this stream's text is behind its audio."""
         behind = 0
-        for seg in self._segments:
-            end = seg.end if seg.end is not None else self._buffer.end
-            behind += max(0, end - max(seg.heard_to, seg.window_start))
+        for utt in self._utterances:
+            end = utt.end if utt.end is not None else self._buffer.end
+            behind += max(0, end - max(utt.heard_to, utt.window_start))
         return behind / SAMPLE_RATE_HZ
 
     # -- input ---------------------------------------------------------------------------
@@ -269,10 +269,10 @@ class Session:
 
     def flush(self) -> None:
         """Close the speech heard so far: its words all become final (then ``Settled``), and
-        speech still going on goes on in a new segment. Raises ProtocolError after ``end``."""
+        speech still going on goes on in a new utterance. Raises ProtocolError after ``end``."""
         if self._ended:
             raise ProtocolError("flush after end")
-        self._close_open_segment(self._buffer.end, reopen=self._vad.in_speech)
+        self._close_open_utterance(self._buffer.end, reopen=self._vad.in_speech)
         self._unsettled = True
         self._settle_if_closed_finished()
 
@@ -286,7 +286,7 @@ class Session:
         self._ingest(tail)
         for event in self._vad.flush():
             self._on_vad(event)
-        self._close_open_segment(self._buffer.end, reopen=False)
+        self._close_open_utterance(self._buffer.end, reopen=False)
         self._unsettled = True
         self._settle_if_closed_finished()
         self._maybe_done()
@@ -302,15 +302,15 @@ class Session:
         now_s = self.audio_received_s
         if isinstance(event, SpeechStarted):
             start = max(event.start_sample, self._buffer.start)
-            self._segments.append(self._new_segment(start))
+            self._utterances.append(self._new_utterance(start))
             self._events.append(SpeechStartedMessage(start / SAMPLE_RATE_HZ, now_s))
         else:
             self._events.append(SpeechEndedMessage(event.end_sample / SAMPLE_RATE_HZ, now_s))
-            self._close_open_segment(event.end_sample, reopen=False)
+            self._close_open_utterance(event.end_sample, reopen=False)
             self._unsettled = True
 
-    def _new_segment(self, start: int) -> _Segment:
-        return _Segment(
+    def _new_utterance(self, start: int) -> _Utterance:
+        return _Utterance(
             start=start,
             window_start=start,
             decoded_to=start,
@@ -327,17 +327,17 @@ class Session:
         cap_s = min(c.max_window_s, c.crowded_max_window_s)
         return dataclasses.replace(c.commit, min_window_s=min(c.commit.min_window_s, cap_s / 2))
 
-    def _close_open_segment(self, end: int, *, reopen: bool) -> None:
-        if self._segments and self._segments[-1].end is None:
-            seg = self._segments[-1]
-            seg.end = max(end, seg.window_start)
-            self._speech_samples += seg.end - seg.start
+    def _close_open_utterance(self, end: int, *, reopen: bool) -> None:
+        if self._utterances and self._utterances[-1].end is None:
+            utt = self._utterances[-1]
+            utt.end = max(end, utt.window_start)
+            self._speech_samples += utt.end - utt.start
             if reopen:
-                self._segments.append(self._new_segment(end))
+                self._utterances.append(self._new_utterance(end))
 
     def _trim(self) -> None:
-        if self._segments:
-            keep_from = self._segments[0].window_start
+        if self._utterances:
+            keep_from = self._utterances[0].window_start
         else:
             keep_from = self._buffer.end - int(IDLE_KEEP_S * SAMPLE_RATE_HZ)
         self._buffer.trim(keep_from)
@@ -351,39 +351,39 @@ class Session:
         when it is higher. Closing decodes never wait. ``crowded``: streams outnumber the
         decode lanes, and windows are capped at ``crowded_max_window_s``.
         """
-        if self._in_flight is not None or not self._segments:
+        if self._in_flight is not None or not self._utterances:
             return None
-        seg = self._segments[0]
-        closing = seg.end is not None
-        end = seg.end if seg.end is not None else self._buffer.end
+        utt = self._utterances[0]
+        closing = utt.end is not None
+        end = utt.end if utt.end is not None else self._buffer.end
         if not closing:
-            new = end - seg.decoded_to
-            # Until the segment shows a word, decode at the first-decode cadence: the time to
+            new = end - utt.decoded_to
+            # Until the utterance shows a word, decode at the first-decode cadence: the time to
             # the first word is what a listener notices most.
-            first_words = not seg.committed_tokens and not seg.tentative
+            first_words = not utt.committed_tokens and not utt.tentative
             need_ms = (
                 self.streaming.first_decode_ms
-                if first_words and end - seg.start < FIRST_WORDS_WINDOW_S * SAMPLE_RATE_HZ
+                if first_words and end - utt.start < FIRST_WORDS_WINDOW_S * SAMPLE_RATE_HZ
                 else self.streaming.min_new_audio_ms
             )
             need_s = max(need_ms / 1000, min_hop_s)
             if new < need_s * SAMPLE_RATE_HZ:
                 return None
         max_window = int(self._window_cap_s(crowded) * SAMPLE_RATE_HZ)
-        if end - seg.window_start > max_window:
-            self._force_cut(seg, seg.window_start + max_window)
-            end = seg.end if closing and seg.end is not None else self._buffer.end
-            end = min(end, seg.window_start + max_window)
-            closing = closing and end == seg.end
-        if end <= seg.window_start:
-            # Nothing left to decode (a flush at a window's end leaves an empty segment): it
+        if end - utt.window_start > max_window:
+            self._force_cut(utt, utt.window_start + max_window)
+            end = utt.end if closing and utt.end is not None else self._buffer.end
+            end = min(end, utt.window_start + max_window)
+            closing = closing and end == utt.end
+        if end <= utt.window_start:
+            # Nothing left to decode (a flush at a window's end leaves an empty utterance): it
             # may have been the last thing ``done`` waited for.
-            self._finish_segment_if_closed(seg, decoded=True)
+            self._finish_utterance_if_closed(utt, decoded=True)
             self._maybe_done()
             return self.next_job(min_hop_s=min_hop_s, crowded=crowded)
-        job = self._job(seg, end, closing=closing, job_id=self._next_job_id, crowded=crowded)
+        job = self._job(utt, end, closing=closing, job_id=self._next_job_id, crowded=crowded)
         self._next_job_id += 1
-        seg.decoded_to = end
+        utt.decoded_to = end
         self._in_flight = job
         return job
 
@@ -395,29 +395,29 @@ class Session:
         reach their right context sooner, and no decode is spent on audio already stale. The
         window keeps its start, prefix, prompt and draft (nothing changes them while a job is
         in flight); it grows to the end of the audio, at most to the window's cap (the cut
-        comes with the next job), and becomes the closing decode if the segment ended. Returns
+        comes with the next job), and becomes the closing decode if the utterance ended. Returns
         ``job`` itself when nothing arrived; the result of either settles the job.
         """
-        if job is not self._in_flight or job.closing or not self._segments:
+        if job is not self._in_flight or job.closing or not self._utterances:
             return job
-        seg = self._segments[0]
-        cap = seg.window_start + int(self._window_cap_s(crowded) * SAMPLE_RATE_HZ)
-        end = min(seg.end if seg.end is not None else self._buffer.end, cap)
-        if end <= seg.decoded_to:
+        utt = self._utterances[0]
+        cap = utt.window_start + int(self._window_cap_s(crowded) * SAMPLE_RATE_HZ)
+        end = min(utt.end if utt.end is not None else self._buffer.end, cap)
+        if end <= utt.decoded_to:
             return job
-        audio = self._buffer.slice(seg.window_start, end)
-        closing = end == seg.end
+        audio = self._buffer.slice(utt.window_start, end)
+        closing = end == utt.end
         fresh = dataclasses.replace(
             job,
             audio=audio,
             request=dataclasses.replace(
                 job.request,
                 audio_s=audio.shape[0] / SAMPLE_RATE_HZ,
-                options=self._options(seg, closing=closing, crowded=crowded),
+                options=self._options(utt, closing=closing, crowded=crowded),
             ),
             closing=closing,
         )
-        seg.decoded_to = end
+        utt.decoded_to = end
         self._in_flight = fresh
         return fresh
 
@@ -425,13 +425,13 @@ class Session:
         c = self.streaming
         return min(c.max_window_s, c.crowded_max_window_s) if crowded else c.max_window_s
 
-    def _options(self, seg: _Segment, *, closing: bool, crowded: bool) -> DecodeOptions:
-        """The decode options of ``seg``'s next window: its language (or detection), and a
+    def _options(self, utt: _Utterance, *, closing: bool, crowded: bool) -> DecodeOptions:
+        """The decode options of ``utt``'s next window: its language (or detection), and a
         beam search for a closing decode while the server has a lane per stream."""
         detector = self._detecting
         beam = self.streaming.closing_beam_size if closing and not crowded else 1
-        if seg.language is not None or detector is None:
-            return DecodeOptions(language=seg.language, task=self._settings.task, beam_size=beam)
+        if utt.language is not None or detector is None:
+            return DecodeOptions(language=utt.language, task=self._settings.task, beam_size=beam)
         return DecodeOptions(
             language=detector.decode_language(),
             task=self._settings.task,
@@ -440,24 +440,24 @@ class Session:
         )
 
     def _job(
-        self, seg: _Segment, end: int, *, closing: bool, job_id: int, crowded: bool = False
+        self, utt: _Utterance, end: int, *, closing: bool, job_id: int, crowded: bool = False
     ) -> DecodeJob:
-        """The decode of ``seg``'s window up to ``end``."""
-        audio = self._buffer.slice(seg.window_start, end)
-        options = self._options(seg, closing=closing, crowded=crowded)
+        """The decode of ``utt``'s window up to ``end``."""
+        audio = self._buffer.slice(utt.window_start, end)
+        options = self._options(utt, closing=closing, crowded=crowded)
         return DecodeJob(
             session_id=self.session_id,
             job_id=job_id,
             audio=audio,
-            start_s=seg.window_start / SAMPLE_RATE_HZ,
+            start_s=utt.window_start / SAMPLE_RATE_HZ,
             request=DecodeRequest(
                 audio_s=audio.shape[0] / SAMPLE_RATE_HZ,
                 options=options,
                 prompt=tuple(self._prompt[-self.streaming.prompt_max_tokens :])
                 if self._prompt_ok
                 else (),
-                prefix=tuple(seg.committed_tokens),
-                draft=seg.draft,
+                prefix=tuple(utt.committed_tokens),
+                draft=utt.draft,
             ),
             closing=closing,
         )
@@ -468,33 +468,33 @@ class Session:
             self.log.warning("result for unknown job %d ignored", job.job_id)
             return
         job, self._in_flight = self._in_flight, None  # as last refreshed
-        seg = self._segments[0]
-        seg.heard_to = max(seg.heard_to, round(job.start_s * SAMPLE_RATE_HZ) + job.audio.shape[0])
-        if seg.language is None and not self._settle_language(seg, job, result):
+        utt = self._utterances[0]
+        utt.heard_to = max(utt.heard_to, round(job.start_s * SAMPLE_RATE_HZ) + job.audio.shape[0])
+        if utt.language is None and not self._settle_language(utt, job, result):
             self._maybe_done()
             return
         self._prompt_ok = result.stop_reason not in (StopReason.REPETITION, StopReason.COMPRESSION)
-        seg.draft = result.sequence
+        utt.draft = result.sequence
         tail = self._tail_words(job, result)
-        committed = seg.policy.update(
+        committed = utt.policy.update(
             tail,
             window_start_s=job.start_s,
             window_end_s=job.start_s + job.audio_s,
             closing=job.closing,
         )
-        seg.tentative = seg.policy.tentative
-        self._commit(seg, committed)
-        self._emit_partial(seg)
+        utt.tentative = utt.policy.tentative
+        self._commit(utt, committed)
+        self._emit_partial(utt)
         if job.closing:
-            if not self._cut_before_unheard_tail(seg):
-                self._finish_segment_if_closed(seg, decoded=True)
+            if not self._cut_before_unheard_tail(utt):
+                self._finish_utterance_if_closed(utt, decoded=True)
         else:
-            self._maybe_cut(seg)
+            self._maybe_cut(utt)
         self._maybe_done()
 
     def receive_failure(self, job: DecodeJob, error: Exception) -> None:
         """A decode failed: tell the client; the window is retried with the next job, up to
-        ``MAX_DECODE_FAILURES`` times per segment (the closing decode too: a segment's last
+        ``MAX_DECODE_FAILURES`` times per utterance (the closing decode too: an utterance's last
         window holds the words not yet final, and one passing failure must not lose them)."""
         if self._in_flight is None or job.job_id != self._in_flight.job_id:
             return
@@ -502,24 +502,24 @@ class Session:
         self._events.append(
             ErrorMessage("decode_failed", f"decoding failed: {error}", False, self.audio_received_s)
         )
-        seg = self._segments[0]
-        seg.failures += 1
-        if seg.failures >= MAX_DECODE_FAILURES:
+        utt = self._utterances[0]
+        utt.failures += 1
+        if utt.failures >= MAX_DECODE_FAILURES:
             # Keep what was shown; the audio that could not be decoded is reported, not retried
             # forever.
-            shown = seg.policy.finalize() if seg.language is not None else seg.tentative
-            self._commit(seg, shown)
-            if seg.end is None:
-                self._close_open_segment(seg.window_start + job.audio.shape[0], reopen=True)
-            self._finish_segment_if_closed(seg, decoded=False)
+            shown = utt.policy.finalize() if utt.language is not None else utt.tentative
+            self._commit(utt, shown)
+            if utt.end is None:
+                self._close_open_utterance(utt.window_start + job.audio.shape[0], reopen=True)
+            self._finish_utterance_if_closed(utt, decoded=False)
             self._maybe_done()
         else:
-            seg.decoded_to = seg.window_start  # retried with the next audio
+            utt.decoded_to = utt.window_start  # retried with the next audio
 
-    def _settle_language(self, seg: _Segment, job: DecodeJob, result: DecodeResult) -> bool:
-        """A decode of a segment whose language is not decided: decide it when the detector
+    def _settle_language(self, utt: _Utterance, job: DecodeJob, result: DecodeResult) -> bool:
+        """A decode of an utterance whose language is not decided: decide it when the detector
         is sure enough (``LanguageTracker``). True when the result can be committed from;
-        False when it stays partial, or was decoded in a language the segment did not get
+        False when it stays partial, or was decoded in a language the utterance did not get
         and the window is decoded again."""
         detector = self._detecting
         decision = (
@@ -533,12 +533,12 @@ class Session:
             else None
         )
         if decision is None:
-            seg.detected = result.detected
-            seg.draft = result.sequence
-            seg.tentative = self._tail_words(job, result)
-            self._emit_partial(seg, result.language, result.detected)
+            utt.detected = result.detected
+            utt.draft = result.sequence
+            utt.tentative = self._tail_words(job, result)
+            self._emit_partial(utt, result.language, result.detected)
             return False
-        seg.language = decision.language
+        utt.language = decision.language
         if decision.changed:
             self.log.info(
                 "language %s (p=%.2f) after %.1f s of speech",
@@ -551,24 +551,24 @@ class Session:
                 self._prompt = []
         if result.language == decision.language:
             return True
-        seg.draft = ()
-        seg.tentative = []
-        seg.decoded_to = seg.window_start  # decoded again at once, in its language
+        utt.draft = ()
+        utt.tentative = []
+        utt.decoded_to = utt.window_start  # decoded again at once, in its language
         return False
 
-    def _decide_before_cut(self, seg: _Segment) -> None:
+    def _decide_before_cut(self, utt: _Utterance) -> None:
         """An undecided window reached its cap (a cap under ``decide_max_speech_s``): decide
-        as at a segment's end, and commit the words shown, decoded in that language (an
+        as at an utterance's end, and commit the words shown, decoded in that language (an
         unsure detection keeps the language they were decoded in)."""
         detector = self._detecting
         decision = (
-            detector.observe(seg.detected, window_s=0.0, closing=True, is_speech=True)
+            detector.observe(utt.detected, window_s=0.0, closing=True, is_speech=True)
             if detector is not None
             else None
         )
         if decision is not None:  # None: nothing of the window was decoded yet
-            seg.language = decision.language
-            self._commit(seg, seg.tentative)
+            utt.language = decision.language
+            self._commit(utt, utt.tentative)
 
     def _tail_words(self, job: DecodeJob, result: DecodeResult) -> list[Word]:
         """Words after the forced prefix, in stream time."""
@@ -586,12 +586,12 @@ class Session:
             for w in words[k:]
             if w.word.strip()
         ]
-        if not job.request.prefix and self._segments:
-            tail = self._drop_repeat_of_cut(self._segments[0], tail)
-        if self._segments and self._segments[0].committed:
+        if not job.request.prefix and self._utterances:
+            tail = self._drop_repeat_of_cut(self._utterances[0], tail)
+        if self._utterances and self._utterances[0].committed:
             # After a cut that carried words, the alignment can squeeze the new words onto the
             # window's first frame, before the carried ones (seen on LJ long): they follow them.
-            floor = self._segments[0].committed[-1].end_s
+            floor = self._utterances[0].committed[-1].end_s
             tail = [
                 w
                 if w.start_s >= floor
@@ -600,12 +600,12 @@ class Session:
             ]
         return tail
 
-    def _drop_repeat_of_cut(self, seg: _Segment, tail: list[Word]) -> list[Word]:
+    def _drop_repeat_of_cut(self, utt: _Utterance, tail: list[Word]) -> list[Word]:
         """A window that starts at a cut can hear the end of the last committed word again
         (word end times are estimates). Drop the longest opening n-gram that repeats the words
         committed just before the cut, when it lies at the cut."""
-        before = seg.before_cut
-        if not before or not tail or tail[0].start_s > seg.window_start / SAMPLE_RATE_HZ + 1.0:
+        before = utt.before_cut
+        if not before or not tail or tail[0].start_s > utt.window_start / SAMPLE_RATE_HZ + 1.0:
             return tail
         for n in range(min(len(before), len(tail), CUT_OVERLAP_WORDS), 0, -1):
             if [normalize_word(w.text) for w in tail[:n]] == [
@@ -614,17 +614,17 @@ class Session:
                 return tail[n:]
         return tail
 
-    def _commit(self, seg: _Segment, words: list[Word]) -> None:
+    def _commit(self, utt: _Utterance, words: list[Word]) -> None:
         """Record committed words on the window and send them as a final."""
         if not words:
             return
         for w in words:
-            seg.committed_tokens.extend(w.tokens)
-        seg.committed.extend(words)
+            utt.committed_tokens.extend(w.tokens)
+        utt.committed.extend(words)
         text = "".join(w.text for w in words).strip()
         if not text:
             return
-        language, probability = self._language_fields(seg)
+        language, probability = self._language_fields(utt)
         self._events.append(
             FinalMessage(
                 segment_id=self._next_segment_id,
@@ -643,34 +643,34 @@ class Session:
         self._next_segment_id += 1
         self._last_partial = None
 
-    def _language_fields(self, seg: _Segment) -> tuple[str | None, float | None]:
-        """``language`` and ``language_probability`` of a decided segment's messages."""
-        if self._detector is None or seg.language is None:
+    def _language_fields(self, utt: _Utterance) -> tuple[str | None, float | None]:
+        """``language`` and ``language_probability`` of a decided utterance's messages."""
+        if self._detector is None or utt.language is None:
             return None, None
-        return seg.language, self._detector.probability
+        return utt.language, self._detector.probability
 
     def _emit_partial(
         self,
-        seg: _Segment,
+        utt: _Utterance,
         guess: str | None = None,
         detected: tuple[str, float] | None = None,
     ) -> None:
-        """Send the segment's tentative words when they changed. ``guess``, ``detected``: an
-        undecided segment's decode language and the detector's guess (its probability is
+        """Send the utterance's tentative words when they changed. ``guess``, ``detected``: an
+        undecided utterance's decode language and the detector's guess (its probability is
         reported when the two agree)."""
-        provisional = seg.language is None
+        provisional = utt.language is None
         if provisional:
             language = guess
             probability = detected[1] if detected and detected[0] == guess else None
         else:
-            language, probability = self._language_fields(seg)
-        words = seg.tentative
+            language, probability = self._language_fields(utt)
+        words = utt.tentative
         text = "".join(w.text for w in words).strip()
         key = (self._next_segment_id, text)
         if key == self._last_partial or (not text and self._last_partial is None):
             return
         self._last_partial = key
-        start = words[0].start_s if words else seg.window_start / SAMPLE_RATE_HZ
+        start = words[0].start_s if words else utt.window_start / SAMPLE_RATE_HZ
         end = words[-1].end_s if words else start
         self._events.append(
             PartialMessage(
@@ -686,39 +686,39 @@ class Session:
             )
         )
 
-    def _cut(self, seg: _Segment, at: int, *, carry: int = 0) -> None:
+    def _cut(self, utt: _Utterance, at: int, *, carry: int = 0) -> None:
         """Start a new window at ``at``; committed text of the old one becomes the prompt.
 
         ``carry``: how many of the last committed words the new window keeps as its forced
         prefix (see ``_cut_point``); they are final already and not sent again."""
-        self._release_to_prompt(seg)
-        start = max(seg.window_start, min(at, seg.end if seg.end is not None else at))
-        heard = max(seg.window_start, min(start, seg.heard_to))
-        self._transcribed_samples += heard - seg.window_start
+        self._release_to_prompt(utt)
+        start = max(utt.window_start, min(at, utt.end if utt.end is not None else at))
+        heard = max(utt.window_start, min(start, utt.heard_to))
+        self._transcribed_samples += heard - utt.window_start
         if start > heard:
             # A cut past what the engine heard skips audio; callers cut at heard_to at most.
             self.log.error("cut at %d skipped %d samples never decoded", start, start - heard)
             self._failed_samples += start - heard
-        seg.window_start = start
-        seg.decoded_to = max(seg.decoded_to, seg.window_start)
-        seg.heard_to = max(seg.heard_to, seg.window_start)
-        seg.before_cut = seg.committed[-CUT_OVERLAP_WORDS:]
-        seg.committed = seg.committed[len(seg.committed) - carry :] if carry else []
-        seg.committed_tokens = [t for w in seg.committed for t in w.tokens]
-        seg.prompted_tokens = len(seg.committed_tokens)
-        seg.policy.reset()
-        seg.tentative = []
-        seg.draft = ()
+        utt.window_start = start
+        utt.decoded_to = max(utt.decoded_to, utt.window_start)
+        utt.heard_to = max(utt.heard_to, utt.window_start)
+        utt.before_cut = utt.committed[-CUT_OVERLAP_WORDS:]
+        utt.committed = utt.committed[len(utt.committed) - carry :] if carry else []
+        utt.committed_tokens = [t for w in utt.committed for t in w.tokens]
+        utt.prompted_tokens = len(utt.committed_tokens)
+        utt.policy.reset()
+        utt.tentative = []
+        utt.draft = ()
         self._trim()
 
-    def _release_to_prompt(self, seg: _Segment) -> None:
+    def _release_to_prompt(self, utt: _Utterance) -> None:
         """The window's committed tokens become context for the windows after it (those a cut
         carried into this window are there already)."""
-        self._prompt.extend(seg.committed_tokens[seg.prompted_tokens :])
+        self._prompt.extend(utt.committed_tokens[utt.prompted_tokens :])
         self._prompt = self._prompt[-self.streaming.prompt_max_tokens * 2 :]
-        seg.prompted_tokens = len(seg.committed_tokens)
+        utt.prompted_tokens = len(utt.committed_tokens)
 
-    def _cut_point(self, seg: _Segment, limit: int) -> tuple[int, int]:
+    def _cut_point(self, utt: _Utterance, limit: int) -> tuple[int, int]:
         """Where a cut after the committed words goes, and how many words it carries.
 
         At the start of the ``cut_carry_words``-th last committed word with letters; the new
@@ -727,58 +727,58 @@ class Session:
         to lose it (LJ long, cuts at max_window_s: 13 of 14 lost or garbled the word after).
         Fewer words when that start is not inside the window; none, at the end of the last
         word, when no word's start is."""
-        words = seg.committed
+        words = utt.committed
         end = min(round(words[-1].end_s * SAMPLE_RATE_HZ), limit) if words else limit
         spoken = [i for i, w in enumerate(words) if normalize_word(w.text)]
         n = self.streaming.cut_carry_words
         for k in spoken[max(0, len(spoken) - n) :] if n else []:
             start = round(words[k].start_s * SAMPLE_RATE_HZ)
-            if seg.window_start < start <= limit and all(w.tokens for w in words[k:]):
+            if utt.window_start < start <= limit and all(w.tokens for w in words[k:]):
                 return start, len(words) - k
         return end, 0
 
-    def _maybe_cut(self, seg: _Segment) -> None:
+    def _maybe_cut(self, utt: _Utterance) -> None:
         """Cut after a committed sentence end, or a clause end once the window is long: short
         windows keep every re-decode cheap, and punctuation is where no word straddles.
 
         Cutting in pauses the VAD heard (between the last committed word and the next) was
         measured and dropped: at 3 s windows +1.7 points on the short clips, at 6 s +7 errors
         on LJ long, for a few percent less decode time. Whisper needs the context."""
-        if not seg.committed:
+        if not utt.committed:
             return
         c = self.streaming
-        last = seg.committed[-1]
+        last = utt.committed[-1]
         at = round(last.end_s * SAMPLE_RATE_HZ)
-        window_s = (at - seg.window_start) / SAMPLE_RATE_HZ
+        window_s = (at - utt.window_start) / SAMPLE_RATE_HZ
         text = last.text.rstrip()
         if (text.endswith(SENTENCE_END) and window_s >= c.sentence_cut_s) or (
             text.endswith(CLAUSE_END) and window_s >= c.clause_cut_s
         ):
-            at, carry = self._cut_point(seg, max(at, seg.heard_to))
-            self._cut(seg, at, carry=carry)
+            at, carry = self._cut_point(utt, max(at, utt.heard_to))
+            self._cut(utt, at, carry=carry)
 
-    def _cut_before_unheard_tail(self, seg: _Segment) -> bool:
-        """After a closing decode: when its words end well before the segment does, cut at
+    def _cut_before_unheard_tail(self, utt: _Utterance) -> bool:
+        """After a closing decode: when its words end well before the utterance does, cut at
         the last one so the rest is decoded as a window of its own. Whisper can end a long
         window at a sentence end although speech follows (seen on 13 s windows of a stream
-        that fell behind: the second sentence never came out); finishing the segment there
+        that fell behind: the second sentence never came out); finishing the utterance there
         would lose those words. Each cut moves the window forward, so this ends.
-        Returns False when the words reach the end and the segment can be finished."""
-        if seg.end is None or not seg.committed:
+        Returns False when the words reach the end and the utterance can be finished."""
+        if utt.end is None or not utt.committed:
             return False
-        last = seg.committed[-1]
-        if seg.end - round(last.end_s * SAMPLE_RATE_HZ) < TAIL_RETRY_S * SAMPLE_RATE_HZ:
+        last = utt.committed[-1]
+        if utt.end - round(last.end_s * SAMPLE_RATE_HZ) < TAIL_RETRY_S * SAMPLE_RATE_HZ:
             return False
         # The cut goes at the start of the last word, not its end (_cut_point): a word before
         # an early end of text tends to be given the time of the silence or speech after it,
         # and the words under that time would be skipped.
-        at, carry = self._cut_point(seg, seg.end)
+        at, carry = self._cut_point(utt, utt.end)
         if not carry:
             return False
-        self._cut(seg, at, carry=carry)
+        self._cut(utt, at, carry=carry)
         return True
 
-    def _force_cut(self, seg: _Segment, limit: int) -> None:
+    def _force_cut(self, utt: _Utterance, limit: int) -> None:
         """The window outgrew ``max_window_s``: cut at the last committed word, or commit the
         tentative words first if nothing was agreed on since the window began (the words a cut
         carried into it do not count: a cut behind them would skip the whole window, as it
@@ -788,67 +788,67 @@ class Session:
         decodes slower than its audio) holds more than ``max_window_s`` of undecoded speech,
         and a cut there would skip it. Without a cut the next job is the window's first
         ``max_window_s``; the cut follows once that was decoded."""
-        if seg.language is None:
-            self._decide_before_cut(seg)
-        elif len(seg.committed_tokens) <= seg.prompted_tokens and seg.tentative:
-            self._commit(seg, seg.policy.finalize())
-        heard = min(seg.heard_to, limit)
-        at, carry = self._cut_point(seg, heard)
-        if at <= seg.window_start:
-            if seg.committed and len(seg.committed_tokens) <= seg.prompted_tokens:
+        if utt.language is None:
+            self._decide_before_cut(utt)
+        elif len(utt.committed_tokens) <= utt.prompted_tokens and utt.tentative:
+            self._commit(utt, utt.policy.finalize())
+        heard = min(utt.heard_to, limit)
+        at, carry = self._cut_point(utt, heard)
+        if at <= utt.window_start:
+            if utt.committed and len(utt.committed_tokens) <= utt.prompted_tokens:
                 # Whisper ended the text right after the carried prefix (seen on LJ long, after
                 # words squeezed onto a window's last frame): decode the window again without
                 # it rather than skip the speech after it.
-                self._drop_carried_prefix(seg)
+                self._drop_carried_prefix(utt)
                 return
             at, carry = heard, 0
-        if at > seg.window_start:
-            self._cut(seg, at, carry=carry)
+        if at > utt.window_start:
+            self._cut(utt, at, carry=carry)
 
-    def _drop_carried_prefix(self, seg: _Segment) -> None:
+    def _drop_carried_prefix(self, utt: _Utterance) -> None:
         """Decode the window from its start with no forced prefix: the carried words are final
         and in the prompt already (``_cut``), so nothing is sent again."""
-        seg.committed = []
-        seg.committed_tokens = []
-        seg.prompted_tokens = 0
-        seg.policy.reset()
-        seg.tentative = []
-        seg.draft = ()
-        seg.decoded_to = seg.window_start
+        utt.committed = []
+        utt.committed_tokens = []
+        utt.prompted_tokens = 0
+        utt.policy.reset()
+        utt.tentative = []
+        utt.draft = ()
+        utt.decoded_to = utt.window_start
 
-    def _finish_segment_if_closed(self, seg: _Segment, *, decoded: bool) -> None:
-        """Retire a closed segment. ``decoded``: its last window was decoded to the end (else
+    def _finish_utterance_if_closed(self, utt: _Utterance, *, decoded: bool) -> None:
+        """Retire a closed utterance. ``decoded``: its last window was decoded to the end (else
         it is given up after decode failures, and only what was heard counts as transcribed)."""
-        if seg.end is None:
+        if utt.end is None:
             return
-        heard = seg.end if decoded else max(seg.window_start, min(seg.heard_to, seg.end))
-        self._transcribed_samples += heard - seg.window_start
-        self._failed_samples += seg.end - heard
-        self._release_to_prompt(seg)
+        heard = utt.end if decoded else max(utt.window_start, min(utt.heard_to, utt.end))
+        self._transcribed_samples += heard - utt.window_start
+        self._failed_samples += utt.end - heard
+        self._release_to_prompt(utt)
         if self._last_partial is not None and self._last_partial[1]:
             self._events.append(
                 PartialMessage(
                     self._next_segment_id,
                     "",
-                    seg.end / SAMPLE_RATE_HZ,
-                    seg.end / SAMPLE_RATE_HZ,
+                    utt.end / SAMPLE_RATE_HZ,
+                    utt.end / SAMPLE_RATE_HZ,
                     self.audio_received_s,
                 )
             )
         self._last_partial = None
-        self._segments.popleft()
+        self._utterances.popleft()
         self._settle_if_closed_finished()
         self._trim()
 
     def _settle_if_closed_finished(self) -> None:
-        """Emit ``Settled`` once no closed segment is left to decode (segments finish in
+        """Emit ``Settled`` once no closed utterance is left to decode (utterances finish in
         order; only the last one may still be open)."""
-        if self._unsettled and (not self._segments or self._segments[0].end is None):
+        if self._unsettled and (not self._utterances or self._utterances[0].end is None):
             self._unsettled = False
             self._events.append(Settled(self.audio_received_s))
 
     def _maybe_done(self) -> None:
-        if self._ended and not self._done and not self._segments and self._in_flight is None:
+        if self._ended and not self._done and not self._utterances and self._in_flight is None:
             self._done = True
             self._events.append(
                 DoneMessage(

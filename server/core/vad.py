@@ -3,7 +3,7 @@
 Offsets are sample indices in the session's 16 kHz stream (sample 0 is the first sample the
 segmenter received), so the caller can cut its own audio buffer with them directly.
 
-A segment opens when at least ``speech_start_ms`` of the frames in the last
+An utterance opens when at least ``speech_start_ms`` of the frames in the last
 ``speech_start_window_ms`` are voiced (hysteresis against clicks and breaths), and closes after
 ``speech_end_silence_ms`` of consecutive unvoiced frames (``short_speech_end_silence_ms`` while
 the speech so far is shorter than ``short_speech_s``: a short phrase and a pause are more
@@ -52,7 +52,7 @@ VadEvent = SpeechStarted | SpeechEnded
 
 
 class VadSegmenter:
-    """Frames a 16 kHz float32 stream for webrtcvad and turns its verdicts into segments.
+    """Frames a 16 kHz float32 stream for webrtcvad and turns its verdicts into utterances.
 
     Feed any number of samples at a time with ``receive``; incomplete frames wait for the next
     call. Events come out in stream order, a ``SpeechStarted`` always followed by exactly one
@@ -82,12 +82,12 @@ class VadSegmenter:
         self._in_speech = False
         self._silent_frames = 0
         self._last_voiced_end = 0
-        self._last_end = 0  # end_sample of the previous segment; the next one may not overlap
-        self._onset = 0  # first voiced sample of the open segment
+        self._last_end = 0  # end_sample of the previous utterance; the next one may not overlap
+        self._onset = 0  # first voiced sample of the open utterance
 
     @property
     def in_speech(self) -> bool:
-        """Whether a segment is open (a ``SpeechStarted`` without its ``SpeechEnded``)."""
+        """Whether an utterance is open (a ``SpeechStarted`` without its ``SpeechEnded``)."""
         return self._in_speech
 
     @property
@@ -108,7 +108,7 @@ class VadSegmenter:
         return self._process(buffered[:whole], whole)
 
     def flush(self) -> list[VadEvent]:
-        """Process the buffered partial frame and close an open segment at the stream's end.
+        """Process the buffered partial frame and close an open utterance at the stream's end.
 
         The partial frame is zero-padded to a whole frame for webrtcvad, but only its real
         samples count. The segmenter can keep receiving afterwards; frames then start at the

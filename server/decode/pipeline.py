@@ -71,7 +71,9 @@ Refresh = Callable[[DecodeJob], DecodeJob]
 
 
 @dataclass(eq=False)
-class _Request:
+class _QueuedJob:
+    """A session's job in the scheduler: queued for a lane, then on one until it settles."""
+
     job: DecodeJob
     window: Window
     future: asyncio.Future[DecodeResult]
@@ -139,12 +141,12 @@ class Pipeline:
             max_workers=self.config.feature_workers, thread_name_prefix="whisperwire-features"
         )
         # (job.created_at, sequence, request): the stalest window is at the top.
-        self._heap: list[tuple[float, int, _Request]] = []
+        self._heap: list[tuple[float, int, _QueuedJob]] = []
         self._sequence = itertools.count()
         self._slots = asyncio.Semaphore(self.config.max_queued_windows)
         self._changed = asyncio.Event()
         self._scheduler: asyncio.Task[None] | None = None
-        self._in_flight: set[_Request] = set()
+        self._in_flight: set[_QueuedJob] = set()
         self._runs: set[asyncio.Task[None]] = set()  # batches on lanes, and lane revivals
         self._streams = 0  # open streams: add_stream / remove_stream
         # Streams to offer a seat in a batch being gathered (StreamDriver._advance), and
@@ -359,7 +361,7 @@ class Pipeline:
         await self._slots.acquire()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[DecodeResult] = loop.create_future()
-        request = _Request(job, window, future, loop.time(), refresh)
+        request = _QueuedJob(job, window, future, loop.time(), refresh)
         future.add_done_callback(functools.partial(self._forget, request))
         self._push(request)
         return future
@@ -372,13 +374,13 @@ class Pipeline:
         return await future
 
     # -- scheduling ------------------------------------------------------------------------
-    def _push(self, request: _Request) -> None:
+    def _push(self, request: _QueuedJob) -> None:
         heapq.heappush(self._heap, (request.job.created_at, next(self._sequence), request))
         request.queued = True
         self.metrics.queue_depth.set(len(self._heap))
         self._changed.set()
 
-    def _forget(self, request: _Request, future: asyncio.Future[DecodeResult]) -> None:
+    def _forget(self, request: _QueuedJob, future: asyncio.Future[DecodeResult]) -> None:
         # A cancelled request (its client left) gives its queue slot back.
         if request.queued and future.cancelled():
             self._heap = [entry for entry in self._heap if entry[2] is not request]
@@ -387,8 +389,8 @@ class Pipeline:
             self._slots.release()
             self.metrics.queue_depth.set(len(self._heap))
 
-    def _take_batch(self, limit: int) -> list[_Request]:
-        batch: list[_Request] = []
+    def _take_batch(self, limit: int) -> list[_QueuedJob]:
+        batch: list[_QueuedJob] = []
         while self._heap and len(batch) < limit:
             request = heapq.heappop(self._heap)[2]
             request.queued = False
@@ -453,7 +455,7 @@ class Pipeline:
             self._runs.add(task)
             task.add_done_callback(self._runs.discard)
 
-    async def _refresh(self, batch: list[_Request]) -> None:
+    async def _refresh(self, batch: list[_QueuedJob]) -> None:
         """Bring each job of a batch a lane is about to take up to its stream's newest audio
         (late binding): a window that waited in the queue is decoded up to now, not up to
         when it was queued. Only the extended ones pay for their features again."""
@@ -469,7 +471,7 @@ class Pipeline:
             for request, window in zip(stale, windows, strict=True):
                 request.window = window
 
-    async def _run(self, slot: _LaneSlot, batch: list[_Request]) -> None:
+    async def _run(self, slot: _LaneSlot, batch: list[_QueuedJob]) -> None:
         """One batch on one lane, and its results back to their sessions."""
         loop = asyncio.get_running_loop()
         windows = [r.window for r in batch]

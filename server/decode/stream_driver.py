@@ -126,7 +126,7 @@ class StreamDriver:
                     self._decode(job), name=f"decode-{self.session.session_id}-{job.job_id}"
                 )
             # Asking for a job can emit messages too: finals of a forced cut, or done when
-            # only an empty segment was left.
+            # only an empty utterance was left.
             self._flush()
         if self.session.done:
             self._finish(DriverOutcome.DONE)

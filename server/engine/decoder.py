@@ -34,8 +34,8 @@ from server.core.engine_api import (
     DecodeOptions,
     DecodeRequest,
     DecodeResult,
-    Segment,
     StopReason,
+    TextSpan,
     WordTiming,
 )
 from server.engine.blas import vector_matrix
@@ -838,7 +838,7 @@ class StreamingDecoder:
         return DecodeResult(
             tokens=text_tokens,
             text=text,
-            segments=self._segments(seq) if stop.is_speech else (),
+            spans=self._spans(seq) if stop.is_speech else (),
             words=words,
             language=row.language,
             avg_logprob=avg_logprob,
@@ -851,10 +851,10 @@ class StreamingDecoder:
             detected=row.detected,
         )
 
-    def _segments(self, seq: list[int]) -> tuple[Segment, ...]:
+    def _spans(self, seq: list[int]) -> tuple[TextSpan, ...]:
         v = self.vocab
         tb = v.timestamp_begin
-        out: list[Segment] = []
+        out: list[TextSpan] = []
         start: float | None = None
         current: list[int] = []
         last_time = 0.0
@@ -864,7 +864,7 @@ class StreamingDecoder:
                 if start is None:
                     start = time_s
                 elif current:
-                    out.append(Segment(start, time_s, v.text(current), tuple(current)))
+                    out.append(TextSpan(start, time_s, v.text(current), tuple(current)))
                     current, start = [], None
                 else:
                     start = time_s
@@ -873,7 +873,7 @@ class StreamingDecoder:
                 current.append(t)
         if current:
             out.append(
-                Segment(
+                TextSpan(
                     start if start is not None else last_time, -1.0, v.text(current), tuple(current)
                 )
             )

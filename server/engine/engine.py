@@ -105,7 +105,7 @@ def _trim_heap() -> None:
 
 class Engine:
     """One loaded model, its tokenizer and its streaming decoder. Not thread-safe: one
-    decode worker thread owns it."""
+    decode lane (its thread, or a child process of its own) owns it."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.loaded = loaded

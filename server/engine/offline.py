@@ -2,7 +2,7 @@
 
 Whisper's long-form loop: 30 s windows at full audio context, decoding with timestamps
 (greedy, or beam search with ``DecodeOptions.beam_size``), each window conditioned on the text
-before it, and the next window starting at the last complete segment. With more than one
+before it, and the next window starting at the last complete text span. With more than one
 temperature, a window whose decode looks wrong (it loops, compresses too well, or its average
 log-probability is below ``logprob_threshold``) is decoded again at the next temperature, by
 sampling ``best_of`` candidates: Whisper's temperature fallback. Silence is not retried.
@@ -22,8 +22,8 @@ from server.core.engine_api import (
     DecodeOptions,
     DecodeRequest,
     DecodeResult,
-    Segment,
     StopReason,
+    TextSpan,
     Window,
     WordTiming,
 )
@@ -74,7 +74,7 @@ def decode_with_fallback(
 @dataclass(frozen=True)
 class Transcript:
     text: str
-    segments: tuple[Segment, ...]  # times in seconds from the start of the audio
+    spans: tuple[TextSpan, ...]  # times in seconds from the start of the audio
     language: str | None
     words: tuple[WordTiming, ...] = ()  # likewise; empty unless word_timestamps was asked for
 
@@ -91,7 +91,7 @@ def transcribe_audio(
         raise ValueError(f"temperatures must be a non-empty rising sequence; got {temperatures}")
     options = options or DecodeOptions(word_timestamps=False)
     seek = 0
-    segments: list[Segment] = []
+    spans: list[TextSpan] = []
     words: list[WordTiming] = []
     context: list[int] = []
     language = options.language
@@ -108,24 +108,24 @@ def transcribe_audio(
         language = result.language
         offset_s = seek / SAMPLE_RATE_HZ
         advance = chunk.shape[0]
-        if result.is_speech and result.segments:
-            done = [s for s in result.segments if s.end_s >= 0]
-            tail = [s for s in result.segments if s.end_s < 0]
+        if result.is_speech and result.spans:
+            done = [s for s in result.spans if s.end_s >= 0]
+            tail = [s for s in result.spans if s.end_s < 0]
             if tail and done and chunk.shape[0] == N_SAMPLES:
-                # The last segment runs past the window: decode it again in the next one.
+                # The last text span runs past the window: decode it again in the next one.
                 advance = round(done[-1].end_s * SAMPLE_RATE_HZ)
                 keep = done
             else:
-                keep = list(result.segments)
+                keep = list(result.spans)
             for s in keep:
                 end = s.end_s if s.end_s >= 0 else chunk.shape[0] / SAMPLE_RATE_HZ
-                segments.append(Segment(offset_s + s.start_s, offset_s + end, s.text, s.tokens))
+                spans.append(TextSpan(offset_s + s.start_s, offset_s + end, s.text, s.tokens))
                 context.extend(s.tokens)
             if temperature > PROMPT_RESET_TEMPERATURE:
                 context.clear()
             limit_s = advance / SAMPLE_RATE_HZ
             for w in result.words:
-                # The unfinished last segment's words come again from the next window.
+                # The unfinished last text span's words come again from the next window.
                 if advance < chunk.shape[0] and w.start_s >= limit_s - 0.01:
                     continue
                 words.append(
@@ -134,8 +134,8 @@ def transcribe_audio(
                     )
                 )
         seek += max(advance, hop)
-    text = "".join(s.text for s in segments).strip()
-    return Transcript(text, tuple(segments), language, tuple(words))
+    text = "".join(s.text for s in spans).strip()
+    return Transcript(text, tuple(spans), language, tuple(words))
 
 
 def transcribe_file(
