@@ -192,9 +192,12 @@ async def test_streams_a_lane_keeps_up_with_one_by_one_are_not_batched() -> None
     try:
         assert pipeline.capacity.batch_size(3) == 1
         engine.batches.clear()
-        gate = await hold_worker(pipeline, engine)
         jobs = [make_job(1.0 + i, created_at=1.0 + i, session_id=f"s{i}") for i in range(3)]
-        futures = await queue_jobs(pipeline, jobs)
+        # Features first: the held call is timed into the capacity model, and a hold that
+        # lasted while a loaded machine computed them (0.5 s under make test) made it batch.
+        windows = [await pipeline.features(job) for job in jobs]
+        gate = await hold_worker(pipeline, engine)
+        futures = [await pipeline.enqueue(job, w) for job, w in zip(jobs, windows, strict=True)]
         engine.release.set()
         await asyncio.wait_for(asyncio.gather(gate, *futures), 0.5)  # far less than the wait
         assert engine.batches == [[0.5], [1.0], [2.0], [3.0]]
