@@ -16,11 +16,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 from deepgram import AsyncDeepgramClient
 from deepgram.core.api_error import ApiError
 from deepgram.environment import DeepgramClientEnvironment
+from livekit import rtc
+from livekit.agents import stt as lk_stt
+from livekit.plugins import deepgram as lk_deepgram
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -31,6 +35,7 @@ from server.apis.adapters import SessionSettings
 from server.apis.deepgram_live import LISTEN_PATH, DeepgramAdapter, handshake_problem, parse_options
 from server.config import ServerConfig, StreamingConfig, VadConfig
 from server.protocol.formats import SAMPLE_RATE_HZ
+from server.protocol.messages import FinalMessage, WordInfo
 from server.serve.app import WhisperwireServer
 from tests.helpers import ScriptedEngine, pcm_frames
 
@@ -116,6 +121,44 @@ async def test_the_deepgram_client_streams_speech_and_gets_interim_and_final_res
     assert socket._websocket.close_code == 1000  # clean close after CloseStream
 
 
+@pytest.mark.asyncio(loop_scope="session")  # the server_url fixture's loop
+async def test_livekits_deepgram_plugin_streams_speech_with_only_its_base_url_changed(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    """livekit-plugins-deepgram's ``STT().stream()``, its defaults as a LiveKit agent has them
+    (``LIVEKIT_QUERY``): speech events, interim and final transcripts, the end of speech."""
+    clip = load_clip(speech_dir / CLIP)
+    frames = pcm_frames(np.concatenate([clip, np.zeros(SAMPLE_RATE_HZ, np.float32)]))
+    events: list[lk_stt.SpeechEvent] = []
+    async with aiohttp.ClientSession() as http:
+        plugin = lk_deepgram.STT(
+            api_key="unused", base_url=f"{server_url}{LISTEN_PATH}", http_session=http
+        )
+        stream = plugin.stream()
+
+        async def send() -> None:
+            for frame in frames:  # at a microphone's pace, as an agent's room track comes
+                stream.push_frame(rtc.AudioFrame(frame, SAMPLE_RATE_HZ, 1, len(frame) // 2))
+                await asyncio.sleep(FRAME_S)
+            stream.end_input()
+
+        async def receive() -> None:
+            async for event in stream:
+                events.append(event)
+
+        sender = asyncio.create_task(send())
+        await asyncio.wait_for(receive(), WAIT_S)
+        await sender
+        await plugin.aclose()
+    kinds = [e.type for e in events]
+    kind = lk_stt.SpeechEventType
+    assert kinds[0] == kind.START_OF_SPEECH and kind.END_OF_SPEECH in kinds, kinds
+    assert kind.INTERIM_TRANSCRIPT in kinds
+    finals = [e.alternatives[0].text for e in events if e.type == kind.FINAL_TRANSCRIPT]
+    text = " ".join(finals)
+    assert wer(reference(manifest, CLIP), text) <= MAX_WER_CLIP, text
+
+
 # --------------------------------------------------------------------------- the options
 
 
@@ -128,6 +171,44 @@ def test_options_are_read_from_the_query() -> None:
     assert options.interim_results and options.vad_events and not options.endpointing
     assert options.utterance_end_ms == 1500
     assert parse_options(f"{LISTEN_PATH}?{LINEAR16}&language=multi").language is None
+
+
+# What livekit-plugins-deepgram's STT().stream() (1.2 and 1.8.9) puts in every URL, its
+# defaults (read from its source): refused with HTTP 400 before (no_delay, filler_words, ...).
+LIVEKIT_QUERY = (
+    "model=nova-3&punctuate=true&smart_format=false&no_delay=true&interim_results=true"
+    "&encoding=linear16&vad_events=true&sample_rate=16000&channels=1&endpointing=25"
+    "&filler_words=true&profanity_filter=false&numerals=false&mip_opt_out=false&language=en-US"
+)
+
+
+def test_the_query_livekit_sends_is_taken() -> None:
+    assert handshake_problem(Request(f"{LISTEN_PATH}?{LIVEKIT_QUERY}", Headers())) is None
+    options = parse_options(f"{LISTEN_PATH}?{LIVEKIT_QUERY}&tag=a&tag=b")
+    assert options.punctuate and options.filler_words and options.interim_results
+    assert parse_options(f"{LISTEN_PATH}?{LINEAR16}&smart_format=true").punctuate
+
+
+def _final_results(query: str, text: str) -> dict[str, Any]:
+    """The ``Results`` a stream opened with ``query`` gets for one final of ``text``."""
+    settings = SessionSettings("s", StreamingConfig(), VadConfig(), multilingual=False, model="m")
+    adapter = DeepgramAdapter()
+    adapter.open_session(settings, Request(f"{LISTEN_PATH}?{query}", Headers()))
+    words = tuple(WordInfo(w, k * 0.5, k * 0.5 + 0.4, 0.9) for k, w in enumerate(text.split()))
+    [frame] = adapter.render(FinalMessage(0, text, 0.0, len(words) * 0.5, words, 2.0))
+    result: dict[str, Any] = json.loads(frame)
+    return result
+
+
+def test_filler_words_are_left_out_unless_asked_for() -> None:
+    text = "Um, I think, uh, it works."
+    plain = _final_results(f"{LINEAR16}&punctuate=true", text)["channel"]["alternatives"][0]
+    assert plain["transcript"] == "I think, it works."
+    assert [w["punctuated_word"] for w in plain["words"]] == ["I", "think,", "it", "works."]
+    kept = _final_results(f"{LINEAR16}&smart_format=true&filler_words=true", text)
+    assert kept["channel"]["alternatives"][0]["transcript"] == text
+    bare = _final_results(LINEAR16, text)["channel"]["alternatives"][0]
+    assert bare["transcript"] == "i think it works"
 
 
 @pytest.mark.parametrize(

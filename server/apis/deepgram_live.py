@@ -58,12 +58,14 @@ OFF_ONLY = (
     "detect_entities",
     "diarize",
     "dictation",
-    "filler_words",
     "measurements",
     "multichannel",
     "numerals",
     "profanity_filter",
-    "smart_format",
+)
+# Deepgram's filler words, and Whisper's spellings of them: removed unless filler_words=true.
+FILLER_WORDS = frozenset(
+    {"uh", "um", "mhm", "mm-mm", "uh-uh", "uh-huh", "nuh-uh", "umm", "uhh", "hmm", "mm"}
 )
 QUERY_PARAMETERS = (
     "encoding",
@@ -75,6 +77,11 @@ QUERY_PARAMETERS = (
     "endpointing",
     "utterance_end_ms",
     "vad_events",
+    "smart_format",  # Whisper's text is formatted (punctuation, capitals, digits) already
+    "filler_words",
+    "no_delay",  # smart_format never waits for more audio here
+    "mip_opt_out",  # nothing is kept for model improvement: any value is honoured
+    "tag",  # usage labels: accepted, as the server keeps no usage reports
     "model",  # any name: the server's model serves it, and Metadata names it
     "token",  # our API key in the URL, as on /v1/stream
     *OFF_ONLY,
@@ -89,7 +96,8 @@ class ListenOptions:
     sample_rate_hz: int
     language: str | None = "en"  # a Whisper code; None: detect
     interim_results: bool = False
-    punctuate: bool = False
+    punctuate: bool = False  # also with smart_format=true, as on Deepgram
+    filler_words: bool = False  # False: uh, um and the like are left out, as on Deepgram
     endpointing: bool = True  # False: never speech_final
     endpointing_ms: int = 10  # Deepgram's default
     utterance_end_ms: int | None = None
@@ -155,7 +163,8 @@ def parse_options(path: str) -> ListenOptions:
         sample_rate_hz=int(rate),
         language=language,
         interim_results=interim,
-        punctuate=flag("punctuate", False),
+        punctuate=flag("punctuate", False) or flag("smart_format", False),
+        filler_words=flag("filler_words", False),
         endpointing=endpointing != "false",
         endpointing_ms=endpointing_ms,
         utterance_end_ms=utterance_end_ms,
@@ -350,12 +359,9 @@ class DeepgramAdapter:
         speech_final: bool = False,
         from_finalize: bool = False,
     ) -> str:
-        words = [w for f in finals for w in f.words]
+        words = [w for f in finals for w in f.words if self._kept(w.word)]
         punctuate = self._options.punctuate
-        transcript = " ".join(
-            f.text if punctuate else " ".join(filter(None, map(_plain, f.text.split())))
-            for f in finals
-        )
+        transcript = " ".join(text for f in finals if (text := self._text(f.text)))
         start = finals[0].start if finals else (self._last_word_end or 0.0)
         end = finals[-1].end if finals else start
         if finals:
@@ -375,12 +381,20 @@ class DeepgramAdapter:
             start, end, transcript, confidence, word_objects, is_final, speech_final, from_finalize
         )
 
+    def _kept(self, word: str) -> bool:
+        """Whether a word is sent: filler words only with ``filler_words=true``."""
+        return self._options.filler_words or _plain(word) not in FILLER_WORDS
+
+    def _text(self, text: str) -> str:
+        """``text`` as this stream's options want it: without filler words unless asked for,
+        and lower case without punctuation unless ``punctuate`` (or ``smart_format``)."""
+        kept = [w for w in text.split() if self._kept(w)]
+        if self._options.punctuate:
+            return " ".join(kept)
+        return " ".join(filter(None, map(_plain, kept)))
+
     def _interim(self, partial: PartialMessage) -> str:
-        text = (
-            partial.text
-            if self._options.punctuate
-            else " ".join(filter(None, map(_plain, partial.text.split())))
-        )
+        text = self._text(partial.text)
         return self._results_json(partial.start, partial.end, text, 0.0, [], False, False, False)
 
     def _results_json(
