@@ -15,9 +15,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 import soxr
+from livekit import rtc
+from livekit.agents import stt as lk_stt
+from livekit.plugins import openai as lk_openai
 from openai import AsyncOpenAI
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -26,6 +30,7 @@ from bench.corpus import ManifestRow, load_clip, wer
 from bench.http_probe import http_get, metric_value
 from server.apis.openai_realtime import DEFAULT_RATE_HZ, REALTIME_PATH, handshake_problem
 from server.config import ServerConfig, StreamingConfig
+from server.protocol.audio import pcm_s16le_bytes
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.serve.app import WhisperwireServer
 from tests.helpers import ScriptedEngine
@@ -183,6 +188,49 @@ async def test_the_beta_client_commits_by_hand_without_turn_detection(
     assert "input_audio_buffer.speech_started" not in kinds  # turns are the client's commits
     [transcript] = check_items(events)
     assert wer(reference(manifest, CLIP), transcript) <= MAX_WER_CLIP, transcript
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_livekits_openai_plugin_transcribes_in_realtime_mode(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    """livekit-plugins-openai's ``STT(use_realtime=True)``, unchanged but for its base URL: a
+    turn per utterance the server's VAD hears, a final transcript for each."""
+    clip = load_clip(speech_dir / CLIP)
+    pcm = np.concatenate([clip, np.zeros(int(1.5 * SAMPLE_RATE_HZ), np.float32)])
+    step = SAMPLE_RATE_HZ // 10
+    kind = lk_stt.SpeechEventType
+    events: list[lk_stt.SpeechEvent] = []
+    async with aiohttp.ClientSession() as http:
+        plugin = lk_openai.STT(
+            model="gpt-4o-transcribe",
+            use_realtime=True,
+            base_url=http_base(server_url) + "/v1",
+            api_key="unused",
+        )
+        plugin._session = http  # outside a LiveKit job, which would lend its own session
+        stream = plugin.stream()
+        for k in range(0, pcm.shape[0], step):  # at a microphone's pace
+            frame = pcm_s16le_bytes(pcm[k : k + step])
+            stream.push_frame(rtc.AudioFrame(frame, SAMPLE_RATE_HZ, 1, len(frame) // 2))
+            await asyncio.sleep(0.1)
+
+        async def receive() -> None:
+            # The room's audio would go on; here the turns end with the clip's silence.
+            async for event in stream:
+                events.append(event)
+                ends = sum(e.type == kind.END_OF_SPEECH for e in events)
+                finals = sum(e.type == kind.FINAL_TRANSCRIPT for e in events)
+                if event.type == kind.FINAL_TRANSCRIPT and finals >= ends:
+                    return
+
+        await asyncio.wait_for(receive(), WAIT_S)
+        await stream.aclose()
+        await plugin.aclose()
+    kinds = [e.type for e in events]
+    assert kinds[0] == kind.START_OF_SPEECH and kind.INTERIM_TRANSCRIPT in kinds, kinds
+    text = " ".join(e.alternatives[0].text for e in events if e.type == kind.FINAL_TRANSCRIPT)
+    assert wer(reference(manifest, CLIP), text) <= MAX_WER_CLIP, text
 
 
 # --------------------------------------------------------------------------- protocol edges
