@@ -436,7 +436,9 @@ async def test_bad_query_parameters_are_refused(server_url: str) -> None:
 
 
 async def test_query_parameters_configure_the_session(server_url: str) -> None:
-    url = stream_url(server_url, sample_rate="48000", encoding="pcm_f32le", language="en")
+    url = stream_url(
+        server_url, sample_rate="48000", encoding="pcm_f32le", language="en", end_of_speech_ms="300"
+    )
     async with connect(url) as ws:
         ready = json.loads(await ws.recv())
     assert (ready["sample_rate"], ready["encoding"], ready["language"]) == (
@@ -444,6 +446,9 @@ async def test_query_parameters_configure_the_session(server_url: str) -> None:
         "pcm_f32le",
         "en",
     )
+    assert ready["end_of_speech_ms"] == 300 and ready["task"] == "transcribe"
+    async with connect(stream_url(server_url)) as ws:
+        assert json.loads(await ws.recv())["end_of_speech_ms"] == 500  # the server's
 
 
 # --------------------------------------------------------------------------- HTTP

@@ -34,6 +34,7 @@ from bench.corpus import ManifestRow, load_clip, wer
 from server.apis.adapters import SessionSettings
 from server.apis.deepgram_live import LISTEN_PATH, DeepgramAdapter, handshake_problem, parse_options
 from server.config import ServerConfig, StreamingConfig, VadConfig
+from server.core.session import END_OF_SPEECH_MS_RANGE
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.protocol.messages import FinalMessage, WordInfo
 from server.serve.app import WhisperwireServer
@@ -233,15 +234,19 @@ def test_options_we_cannot_honour_are_refused(query: str, says: str) -> None:
     assert problem is not None and says in problem, problem
 
 
-def test_endpointing_lengthens_the_silence_but_never_shortens_it() -> None:
+def test_endpointing_sets_the_streams_end_of_speech_silence() -> None:
     vad = VadConfig()
     settings = SessionSettings("s", StreamingConfig(), vad, multilingual=False, model="m")
     silences = []
-    for endpointing in ("10", "2000", "false"):
-        request = Request(f"{LISTEN_PATH}?{LINEAR16}&endpointing={endpointing}", Headers())
-        session = DeepgramAdapter().open_session(settings, request)
+    for endpointing in ("10", "300", "2000", "99999", "false", None):
+        query = LINEAR16 if endpointing is None else f"{LINEAR16}&endpointing={endpointing}"
+        session = DeepgramAdapter().open_session(
+            settings, Request(f"{LISTEN_PATH}?{query}", Headers())
+        )
         silences.append(session.vad_config.speech_end_silence_ms)
-    assert silences == [vad.speech_end_silence_ms, 2000, vad.speech_end_silence_ms]
+    low, high = END_OF_SPEECH_MS_RANGE
+    default = vad.speech_end_silence_ms
+    assert silences == [low, 300, 2000, high, default, default]
 
 
 # --------------------------------------------------------------------------- protocol edges

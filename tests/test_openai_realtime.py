@@ -30,6 +30,7 @@ from bench.corpus import ManifestRow, load_clip, wer
 from bench.http_probe import http_get, metric_value
 from server.apis.openai_realtime import DEFAULT_RATE_HZ, REALTIME_PATH, handshake_problem
 from server.config import ServerConfig, StreamingConfig
+from server.core.session import END_OF_SPEECH_MS_RANGE
 from server.protocol.audio import pcm_s16le_bytes
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.serve.app import WhisperwireServer
@@ -357,6 +358,40 @@ async def test_the_format_cannot_change_after_audio(speech_dir: Path) -> None:
         updated = await next_event(ws)
         assert updated["type"] == "session.updated", updated
         assert updated["session"]["audio"]["input"]["format"]["rate"] == DEFAULT_RATE_HZ
+
+
+async def test_server_vad_parameters_are_applied_and_reported() -> None:
+    def detection(**fields: Any) -> dict[str, Any]:
+        turn = {"type": "server_vad", **fields}
+        return {"type": "transcription", "audio": {"input": {"turn_detection": turn}}}
+
+    async with scripted_server() as server, connect(realtime_url(server)) as ws:
+        created = await next_event(ws)
+        default = created["session"]["audio"]["input"]["turn_detection"]
+        assert default == {
+            "type": "server_vad",
+            "threshold": 0.5,
+            "prefix_padding_ms": 200,
+            "silence_duration_ms": 500,
+        }
+        asked = detection(silence_duration_ms=300, prefix_padding_ms=5000, threshold=0.9)
+        await send(ws, type="session.update", session=asked)
+        updated = await next_event(ws, "session.updated")
+        # In effect: 300 ms, the padding at the audio kept (1 s), webrtcvad's most eager mode.
+        assert updated["session"]["audio"]["input"]["turn_detection"] == {
+            "type": "server_vad",
+            "threshold": 0.75,
+            "prefix_padding_ms": 1000,
+            "silence_duration_ms": 300,
+        }
+        await send(ws, type="session.update", session=detection(silence_duration_ms=10))
+        floor = await next_event(ws, "session.updated")
+        silence = floor["session"]["audio"]["input"]["turn_detection"]["silence_duration_ms"]
+        assert silence == END_OF_SPEECH_MS_RANGE[0]
+        for bad in ({"threshold": 2}, {"silence_duration_ms": -5}, {"prefix_padding_ms": "x"}):
+            await send(ws, type="session.update", session=detection(**bad))
+            error = await next_event(ws, "error")
+            assert error["error"]["param"].startswith("session.audio.input.turn_detection."), error
 
 
 async def test_a_cleared_item_is_dropped_and_the_next_one_completes(speech_dir: Path) -> None:

@@ -71,3 +71,18 @@ def test_every_api_is_one_registry_entry() -> None:
         assert api.path == path and api.auth_schemes
         assert callable(api.adapter().render)
     assert STREAM_APIS[STREAM_PATH].adapter().__class__ is V1Adapter
+
+
+def test_the_end_of_speech_silence_is_the_streams_own() -> None:
+    session = Session("quick")
+    apply_text('{"type": "config", "end_of_speech_ms": 300}', session)
+    assert session.vad_config.speech_end_silence_ms == 300
+    assert session.settings.end_of_speech_ms == 300
+    for bad in (50, 60_000):
+        with pytest.raises(ProtocolError, match="end_of_speech_ms must be"):
+            apply_text(f'{{"type": "config", "end_of_speech_ms": {bad}}}', Session("bad"))
+    queried = V1Adapter().open_session(
+        _settings(), Request(f"{STREAM_PATH}?end_of_speech_ms=800", Headers())
+    )
+    assert queried.vad_config.speech_end_silence_ms == 800
+    assert Session("default").vad_config == VadConfig()

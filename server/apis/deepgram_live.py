@@ -17,9 +17,9 @@ What the server sends:
   the audio has run that long past the last final word with no new words), ``Metadata`` after
   ``CloseStream``, then close 1000; ``Error`` for refused input.
 
-``endpointing`` (ms of silence before ``speech_final``) is honoured as at least the server's
-own end-of-speech silence: a smaller value is served at the server's, a larger one lengthens
-this session's silence.
+``endpointing`` (ms of silence before ``speech_final``) sets this stream's end-of-speech
+silence, within ``END_OF_SPEECH_MS_RANGE`` (LiveKit's 25 ms is served at the floor, 200 ms);
+not given, or ``false`` (which also sends no ``speech_final``), the server's own silence.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from urllib.parse import parse_qs, urlsplit
 from websockets.http11 import Request
 
 from server.apis.adapters import SessionSettings, StreamApi
-from server.core.session import Session, Settled
+from server.core.session import END_OF_SPEECH_MS_RANGE, Session, Settled
 from server.decode.stream_driver import AdapterEvent, Outgoing, StreamDriver
 from server.protocol.errors import ProtocolError, StreamError
 from server.protocol.formats import MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, AudioFormat
@@ -99,7 +99,7 @@ class ListenOptions:
     punctuate: bool = False  # also with smart_format=true, as on Deepgram
     filler_words: bool = False  # False: uh, um and the like are left out, as on Deepgram
     endpointing: bool = True  # False: never speech_final
-    endpointing_ms: int = 10  # Deepgram's default
+    endpointing_ms: int | None = None  # None: not given, the server's own silence
     utterance_end_ms: int | None = None
     vad_events: bool = False
 
@@ -143,7 +143,7 @@ def parse_options(path: str) -> ListenOptions:
         raise ValueError(f"sample_rate must be {MIN_SAMPLE_RATE_HZ} to {MAX_SAMPLE_RATE_HZ} Hz")
     language = _language(one("language") or "en")
     endpointing = one("endpointing")
-    endpointing_ms = 10
+    endpointing_ms = None
     if endpointing not in (None, "false", "true"):
         if not endpointing.isdigit() or len(endpointing) > 6:
             raise ValueError(f"endpointing must be false or milliseconds; got {endpointing[:20]!r}")
@@ -228,18 +228,23 @@ class DeepgramAdapter:
         except ValueError as exc:
             raise ProtocolError(str(exc), close_code=1008) from exc
         self._options = options
-        vad = settings.vad
-        if options.endpointing and options.endpointing_ms > vad.speech_end_silence_ms:
-            vad = dataclasses.replace(vad, speech_end_silence_ms=options.endpointing_ms)
         session = Session(
             settings.session_id,
             audio_format=AudioFormat(sample_rate_hz=options.sample_rate_hz),
             streaming=settings.streaming,
-            vad=vad,
+            vad=settings.vad,
             multilingual=settings.multilingual,
         )
+        low, high = END_OF_SPEECH_MS_RANGE
+        end_ms = options.endpointing_ms
+        if end_ms is not None:
+            end_ms = min(max(end_ms, low), high)
         try:
-            session.configure(dataclasses.replace(session.settings, language=options.language))
+            session.configure(
+                dataclasses.replace(
+                    session.settings, language=options.language, end_of_speech_ms=end_ms
+                )
+            )
         except ProtocolError as exc:
             raise ProtocolError(str(exc), close_code=1008) from exc
         return session

@@ -35,7 +35,8 @@ from urllib.parse import parse_qs, urlsplit
 from websockets.http11 import Request
 
 from server.apis.adapters import SessionSettings, StreamApi
-from server.core.session import Session, Settled
+from server.config import VadConfig
+from server.core.session import END_OF_SPEECH_MS_RANGE, MAX_SPEECH_PAD_MS, Session, Settled
 from server.decode.stream_driver import AdapterEvent, Outgoing, StreamDriver
 from server.protocol.errors import ProtocolError, StreamError
 from server.protocol.formats import MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, AudioFormat
@@ -134,6 +135,10 @@ class _Config:
     rate_hz: int = DEFAULT_RATE_HZ
     language: str | None = "en"
     server_vad: bool = True
+    # server_vad's parameters as asked; None: the server's own
+    silence_ms: int | None = None
+    padding_ms: int | None = None
+    threshold: float | None = None
 
 
 @dataclass
@@ -154,7 +159,7 @@ class RealtimeAdapter:
         self._settings: SessionSettings | None = None
         self._beta = False
         self._config = _Config()
-        self._vad_ms = (0, 0)  # (prefix_padding_ms, silence_duration_ms) of the server's VAD
+        self._vad = VadConfig()  # the session's VAD as its settings make it
         self._event_id: str | None = None  # of the client event being handled
         self._odd_byte = b""  # half a sample, completed by the next append
         self._uncommitted = False  # audio appended since the last commit or clear
@@ -172,7 +177,7 @@ class RealtimeAdapter:
         self._settings = settings
         headers = request.headers if request is not None else None
         self._beta = headers is not None and BETA_VALUE in headers.get(BETA_HEADER, "")
-        self._vad_ms = (settings.vad.speech_pad_ms, settings.vad.speech_end_silence_ms)
+        self._vad = settings.vad
         session = Session(
             settings.session_id,
             audio_format=AudioFormat(sample_rate_hz=DEFAULT_RATE_HZ),
@@ -271,6 +276,7 @@ class RealtimeAdapter:
 
     def _apply(self, wanted: _Config, driver: StreamDriver) -> None:
         current = driver.settings
+        low, high = END_OF_SPEECH_MS_RANGE
         try:
             settings = driver.session.resolve(
                 dataclasses.replace(
@@ -279,6 +285,16 @@ class RealtimeAdapter:
                         current.audio_format, sample_rate_hz=wanted.rate_hz
                     ),
                     language=wanted.language,
+                    end_of_speech_ms=None
+                    if wanted.silence_ms is None
+                    else min(max(wanted.silence_ms, low), high),
+                    speech_pad_ms=None
+                    if wanted.padding_ms is None
+                    else min(wanted.padding_ms, MAX_SPEECH_PAD_MS),
+                    # webrtcvad's four modes over OpenAI's threshold: 0.5 is mode 2
+                    vad_aggressiveness=None
+                    if wanted.threshold is None
+                    else min(3, int(wanted.threshold * 4)),
                 )
             )
         except ProtocolError as exc:
@@ -292,7 +308,8 @@ class RealtimeAdapter:
                     param="session.audio.input",
                 )
             driver.configure(settings)
-        self._config = _Config(wanted.rate_hz, settings.language, wanted.server_vad)
+        self._config = dataclasses.replace(wanted, language=settings.language)
+        self._vad = driver.session.vad_config
 
     # -- server events ---------------------------------------------------------------------
     def render(self, message: Outgoing) -> list[str]:
@@ -422,9 +439,9 @@ class RealtimeAdapter:
         turn_detection = (
             {
                 "type": "server_vad",
-                "threshold": None,  # webrtcvad has modes, not a threshold
-                "prefix_padding_ms": self._vad_ms[0],
-                "silence_duration_ms": self._vad_ms[1],
+                "threshold": self._vad.aggressiveness / 4,  # webrtcvad's mode, as a threshold
+                "prefix_padding_ms": self._vad.speech_pad_ms,
+                "silence_duration_ms": self._vad.speech_end_silence_ms,
             }
             if config.server_vad
             else None
@@ -581,8 +598,9 @@ def _ga_config(session: Mapping[str, Any], current: _Config) -> _Config:
     if audio_input.get("noise_reduction") is not None:
         raise _refuse(f"{where}.noise_reduction", "noise reduction is not available; send null")
     language = _transcription(audio_input, where, current.language)
-    server_vad = _turn_detection(audio_input, where, current.server_vad)
-    return _Config(rate_hz, language, server_vad)
+    return _turn_detection(
+        audio_input, where, dataclasses.replace(current, rate_hz=rate_hz, language=language)
+    )
 
 
 def _beta_config(session: Mapping[str, Any], current: _Config) -> _Config:
@@ -615,8 +633,9 @@ def _beta_config(session: Mapping[str, Any], current: _Config) -> _Config:
     if "turn_detection" in session:
         renamed["turn_detection"] = session["turn_detection"]
     language = _transcription(renamed, where, current.language, key="input_audio_transcription")
-    server_vad = _turn_detection(renamed, where, current.server_vad)
-    return _Config(DEFAULT_RATE_HZ, language, server_vad)
+    return _turn_detection(
+        renamed, where, dataclasses.replace(current, rate_hz=DEFAULT_RATE_HZ, language=language)
+    )
 
 
 def _check_include(session: Mapping[str, Any]) -> None:
@@ -662,13 +681,14 @@ def _transcription(
     return value or None if "language" in transcription else language
 
 
-def _turn_detection(audio_input: Mapping[str, Any], where: str, server_vad: bool) -> bool:
-    """True for ``server_vad``, False for null; the VAD's own parameters are the server's."""
+def _turn_detection(audio_input: Mapping[str, Any], where: str, current: _Config) -> _Config:
+    """``current`` with the turn detection asked for: ``server_vad`` and its parameters, or
+    null (turns are the client's commits)."""
     if "turn_detection" not in audio_input:
-        return server_vad
+        return current
     detection = _object(audio_input, "turn_detection", where)
     if detection is None:
-        return False
+        return dataclasses.replace(current, server_vad=False)
     where = f"{where}.turn_detection"
     _reject_unknown(detection, (*_VAD_OPTIONS, *_VAD_FLAGS, "idle_timeout_ms", "eagerness"), where)
     if detection.get("type", "server_vad") != "server_vad":
@@ -679,4 +699,34 @@ def _turn_detection(audio_input: Mapping[str, Any], where: str, server_vad: bool
     for name in ("idle_timeout_ms", "eagerness"):
         if detection.get(name) is not None:
             raise _refuse(f"{where}.{name}", "not available with server_vad transcription")
-    return True
+    threshold = detection.get("threshold")
+    if threshold is not None and (
+        not isinstance(threshold, (int, float))
+        or isinstance(threshold, bool)
+        or not 0.0 <= threshold <= 1.0
+    ):
+        raise RealtimeRequestError(
+            f"{where}.threshold must be a number from 0 to 1",
+            code="invalid_value",
+            param=f"{where}.threshold",
+        )
+    return dataclasses.replace(
+        current,
+        server_vad=True,
+        silence_ms=_milliseconds(detection, "silence_duration_ms", where),
+        padding_ms=_milliseconds(detection, "prefix_padding_ms", where),
+        threshold=None if threshold is None else float(threshold),
+    )
+
+
+def _milliseconds(detection: Mapping[str, Any], name: str, where: str) -> int | None:
+    value = detection.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise RealtimeRequestError(
+            f"{where}.{name} must be a whole number of milliseconds",
+            code="invalid_value",
+            param=f"{where}.{name}",
+        )
+    return value

@@ -29,7 +29,7 @@ from server.protocol.messages import (
 )
 
 STREAM_PATH = "/v1/stream"
-QUERY_FIELDS = ("sample_rate", "encoding", "language", "task")
+QUERY_FIELDS = ("sample_rate", "encoding", "language", "task", "end_of_speech_ms")
 
 
 class StreamControls(Protocol):
@@ -57,6 +57,9 @@ def settings_from_config(message: ConfigMessage, current: StreamSettings) -> Str
         ),
         language=language,
         task=message.task or current.task,
+        end_of_speech_ms=current.end_of_speech_ms
+        if message.end_of_speech_ms is None
+        else message.end_of_speech_ms,
     )
 
 
@@ -92,10 +95,10 @@ class V1Adapter:
             if not values:
                 continue
             value = values[-1]
-            if key == "sample_rate":
+            if key in ("sample_rate", "end_of_speech_ms"):
                 if not value.isdigit() or len(value) > 6:
                     raise ProtocolError(
-                        f"query parameter 'sample_rate' must be an integer; got {value[:20]!r}",
+                        f"query parameter {key!r} must be an integer; got {value[:20]!r}",
                         close_code=1008,
                     )
                 fields[key] = int(value)

@@ -59,6 +59,10 @@ from server.protocol.messages import (
 logger = logging.getLogger("server.core.session")
 
 Float32Array = npt.NDArray[np.float32]
+# The end-of-speech silences a client may choose. Below 200 ms a reader's pauses between words
+# end utterances (webrtcvad frames are 30 ms); bench-accuracy on test-other measured the floor.
+END_OF_SPEECH_MS_RANGE = (200, 5000)
+MAX_SPEECH_PAD_MS = 1000  # the audio kept while nobody speaks (IDLE_KEEP_S)
 SENTENCE_END = (".", "?", "!", "。", "？", "！")
 CLAUSE_END = (",", ";", ":", "，", "；", "：")
 CUT_OVERLAP_WORDS = 3  # longest repeat of the pre-cut words looked for after a cut
@@ -75,6 +79,11 @@ class StreamSettings:
     audio_format: AudioFormat = field(default_factory=AudioFormat)
     language: str | None = "en"  # None: detected per utterance (multilingual models only)
     task: str = "transcribe"
+    # The silence that ends an utterance (its final follows), within END_OF_SPEECH_MS_RANGE;
+    # None: the server's (VadConfig.speech_end_silence_ms). Short speech keeps its longer end.
+    end_of_speech_ms: int | None = None
+    speech_pad_ms: int | None = None  # audio kept before an onset, 0-1000; None: the server's
+    vad_aggressiveness: int | None = None  # webrtcvad's mode 0-3; None: the server's
 
 
 @dataclass(frozen=True)
@@ -147,7 +156,8 @@ class Session:
     ) -> None:
         self.session_id = session_id
         self.streaming = streaming or StreamingConfig()
-        self.vad_config = vad or VadConfig()
+        self._server_vad = vad or VadConfig()
+        self.vad_config = self._server_vad  # as this stream's settings make it (``configure``)
         self.multilingual = multilingual
         self.log = logging.LoggerAdapter(logger, {"session_id": session_id})
         self._settings = self.resolve(
@@ -237,6 +247,18 @@ class Session:
     def resolve(self, settings: StreamSettings) -> StreamSettings:
         """``settings`` as they would take effect on this model: an English-only model
         transcribes English (no detection, no translation). Raises ProtocolError."""
+        low, high = END_OF_SPEECH_MS_RANGE
+        if settings.end_of_speech_ms is not None and not low <= settings.end_of_speech_ms <= high:
+            raise ProtocolError(
+                f"end_of_speech_ms must be {low} to {high}; got {settings.end_of_speech_ms}"
+            )
+        if (
+            settings.speech_pad_ms is not None
+            and not 0 <= settings.speech_pad_ms <= MAX_SPEECH_PAD_MS
+        ):
+            raise ProtocolError(f"speech_pad_ms must be 0 to {MAX_SPEECH_PAD_MS}")
+        if settings.vad_aggressiveness not in (None, 0, 1, 2, 3):
+            raise ProtocolError("vad_aggressiveness must be 0, 1, 2 or 3")
         if self.multilingual:
             return settings
         if settings.language not in (None, "en"):
@@ -258,6 +280,16 @@ class Session:
             self._settings.audio_format, max_frame_bytes=self.streaming.max_frame_bytes
         )
         self._detector = None
+        chosen = self._settings
+        self.vad_config = dataclasses.replace(
+            self._server_vad,
+            speech_end_silence_ms=_or(
+                chosen.end_of_speech_ms, self._server_vad.speech_end_silence_ms
+            ),
+            speech_pad_ms=_or(chosen.speech_pad_ms, self._server_vad.speech_pad_ms),
+            aggressiveness=_or(chosen.vad_aggressiveness, self._server_vad.aggressiveness),
+        )
+        self._vad = VadSegmenter(self.vad_config)
 
     def feed_audio(self, data: bytes) -> None:
         """Accept audio bytes in the stream's format. Raises a StreamError subclass."""
@@ -867,3 +899,7 @@ class Session:
         """Messages produced since the last call, in order."""
         events, self._events = self._events, []
         return events
+
+
+def _or(chosen: int | None, default: int) -> int:
+    return default if chosen is None else chosen

@@ -53,10 +53,13 @@ class ConfigMessage:
     encoding: str | None = None
     language: str | None = None
     task: str | None = None
+    end_of_speech_ms: int | None = None  # the silence that ends an utterance, for this stream
 
     def to_json(self) -> str:
         """Compact JSON with only the fields that were given."""
         obj: dict[str, object] = {"type": "config"}
+        if self.end_of_speech_ms is not None:
+            obj["end_of_speech_ms"] = self.end_of_speech_ms
         if self.sample_rate_hz is not None:
             obj["sample_rate"] = self.sample_rate_hz
         if self.encoding is not None:
@@ -103,6 +106,7 @@ class ReadyMessage:
     language: str | None  # None: the server detects the language
     task: str
     audio_received_s: float = 0.0
+    end_of_speech_ms: int | None = None  # the silence that ends an utterance, in effect
 
     def to_json(self) -> str:
         """Compact JSON, with ``"protocol": "v1"``."""
@@ -117,6 +121,11 @@ class ReadyMessage:
                 "task": self.task,
                 "protocol": PROTOCOL_VERSION,
                 "audio_received_s": _ms(self.audio_received_s),
+                **(
+                    {"end_of_speech_ms": self.end_of_speech_ms}
+                    if self.end_of_speech_ms is not None
+                    else {}
+                ),
             }
         )
 
@@ -348,6 +357,7 @@ def parse_client_message(text: str) -> ClientMessage:
             encoding=_check_choice(fields.opt_str("encoding"), "encoding", ENCODINGS),
             language=_parse_language(fields),
             task=_check_choice(fields.opt_str("task"), "task", TASKS),
+            end_of_speech_ms=fields.opt_int("end_of_speech_ms"),
         )
     elif kind == "flush":
         message = FlushMessage()
@@ -398,6 +408,7 @@ def _parse_ready(f: _Fields) -> ReadyMessage:
         language=f.opt_str("language"),
         task=f.str_("task"),
         audio_received_s=f.float_("audio_received_s"),
+        end_of_speech_ms=f.opt_int("end_of_speech_ms"),
     )
 
 

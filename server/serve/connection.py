@@ -198,7 +198,8 @@ class Connection:
                 sample_rate=session.audio_format.sample_rate_hz,
                 encoding=session.audio_format.encoding,
                 language=session.language,
-                task=session.streaming.task,
+                task=session.settings.task,
+                end_of_speech_ms=session.vad_config.speech_end_silence_ms,
             )
         )
         self.log.info(
