@@ -37,7 +37,7 @@ from urllib.parse import parse_qs, urlsplit
 from websockets.http11 import Request
 
 from server.apis.adapters import SessionSettings, StreamApi
-from server.core.session import END_OF_SPEECH_MS_RANGE, Session, Settled
+from server.core.session import Session, Settled, nearest_end_of_speech_ms
 from server.decode.stream_driver import AdapterEvent, Outgoing, StreamDriver
 from server.protocol.errors import ProtocolError, StreamError
 from server.protocol.formats import MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, AudioFormat
@@ -235,10 +235,9 @@ class DeepgramAdapter:
             vad=settings.vad,
             multilingual=settings.multilingual,
         )
-        low, high = END_OF_SPEECH_MS_RANGE
         end_ms = options.endpointing_ms
         if end_ms is not None:
-            end_ms = min(max(end_ms, low), high)
+            end_ms = nearest_end_of_speech_ms(end_ms)
         try:
             session.configure(
                 dataclasses.replace(

@@ -36,7 +36,12 @@ from websockets.http11 import Request
 
 from server.apis.adapters import SessionSettings, StreamApi
 from server.config import VadConfig
-from server.core.session import END_OF_SPEECH_MS_RANGE, MAX_SPEECH_PAD_MS, Session, Settled
+from server.core.session import (
+    MAX_SPEECH_PAD_MS,
+    Session,
+    Settled,
+    nearest_end_of_speech_ms,
+)
 from server.decode.stream_driver import AdapterEvent, Outgoing, StreamDriver
 from server.protocol.errors import ProtocolError, StreamError
 from server.protocol.formats import MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, AudioFormat
@@ -276,7 +281,6 @@ class RealtimeAdapter:
 
     def _apply(self, wanted: _Config, driver: StreamDriver) -> None:
         current = driver.settings
-        low, high = END_OF_SPEECH_MS_RANGE
         try:
             settings = driver.session.resolve(
                 dataclasses.replace(
@@ -287,7 +291,7 @@ class RealtimeAdapter:
                     language=wanted.language,
                     end_of_speech_ms=None
                     if wanted.silence_ms is None
-                    else min(max(wanted.silence_ms, low), high),
+                    else nearest_end_of_speech_ms(wanted.silence_ms),
                     speech_pad_ms=None
                     if wanted.padding_ms is None
                     else min(wanted.padding_ms, MAX_SPEECH_PAD_MS),

@@ -901,5 +901,12 @@ class Session:
         return events
 
 
+def nearest_end_of_speech_ms(ms: int) -> int:
+    """The end-of-speech silence served for a vendor API's ``ms``: the nearest one in
+    ``END_OF_SPEECH_MS_RANGE`` (v1 refuses values outside it instead)."""
+    low, high = END_OF_SPEECH_MS_RANGE
+    return min(max(ms, low), high)
+
+
 def _or(chosen: int | None, default: int) -> int:
     return default if chosen is None else chosen
