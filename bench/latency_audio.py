@@ -20,9 +20,10 @@ from bench.corpus import ManifestRow, read_manifest
 from bench.engine import speech_dir
 from bench.latency_metrics import RefWord, join_word_pieces
 from server.core.engine_api import DecodeOptions, DecodeRequest, Window
+from server.core.long_form import PROMPT_TOKENS
 from server.engine.engine import Engine
 from server.engine.features import N_FRAMES, N_SAMPLES
-from server.engine.offline import PROMPT_TOKENS, transcribe_audio
+from server.engine.offline import transcribe_audio
 from server.protocol.audio import read_audio_file
 from server.protocol.formats import SAMPLE_RATE_HZ
 

@@ -345,7 +345,8 @@ async def _stream_async(
 def _run_transcribe_command(args: argparse.Namespace) -> int:
     # Imported here: the engine pulls in MLX, which streaming from a server does not need.
     try:
-        from server.engine.offline import FALLBACK_TEMPERATURES, transcribe_file
+        from server.core.long_form import FALLBACK_TEMPERATURES
+        from server.engine.offline import transcribe_file
     except ImportError as exc:
         _fail(f"error: the in-process engine is not available: {exc}")
         return EXIT_FAILED

@@ -198,6 +198,10 @@ class ServerConfig:
     drain_s: float = 0.0
     shutdown_timeout_s: float = 30.0  # then, time for open sessions to send finals and done
     warmup: bool = True  # decode once before /readyz turns ready
+    # File uploads (POST /v1/audio/transcriptions, /v1/listen): OpenAI's 25 MB limit, and how
+    # many are decoded at once (more are refused with 503 and Retry-After).
+    max_upload_bytes: int = 25 * 1024 * 1024
+    max_file_requests: int = 4
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -221,6 +225,8 @@ class ServerConfig:
             raise ValueError("write_limit_bytes must be >= 1024 and max_pending_messages >= 1")
         if self.max_incoming_frames < 1:
             raise ValueError(f"max_incoming_frames must be >= 1; got {self.max_incoming_frames}")
+        if self.max_upload_bytes < 1024 or self.max_file_requests < 0:
+            raise ValueError("max_upload_bytes must be >= 1024 and max_file_requests >= 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be None (no authentication) or a non-empty string")
         if (self.tls_cert_path is None) != (self.tls_key_path is None):

@@ -16,7 +16,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,14 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from bench.corpus import ManifestRow
-from server.core.engine_api import DecodeResult, StopReason, Window, WordTiming
+from server.core.engine_api import (
+    DecodeRequest,
+    DecodeResult,
+    StopReason,
+    TextSpan,
+    Window,
+    WordTiming,
+)
 from server.protocol.errors import DecodeError
 from server.protocol.formats import SAMPLE_RATE_HZ
 
@@ -138,6 +145,14 @@ class ScriptedEngine:
             return [self._result(w) for w in windows]
         finally:
             self.calls_finished += 1
+
+    def transcribe_window(
+        self, audio: Float32Array, request: DecodeRequest, temperatures: tuple[float, ...]
+    ) -> tuple[DecodeResult, float]:
+        """A long-form window: its words as one text span, at the first temperature."""
+        result = self.decode_windows([Window(audio, request)])[0]
+        span = TextSpan(0.0, request.audio_s, result.text, result.tokens)
+        return replace(result, spans=(span,) if result.words else ()), temperatures[0]
 
     def _result(self, window: Window) -> DecodeResult:
         words = tuple(

@@ -10,12 +10,9 @@ import pytest
 
 from bench.corpus import load_clip, wer
 from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
+from server.core.long_form import FALLBACK_TEMPERATURES, needs_fallback
 from server.engine.engine import Engine
-from server.engine.offline import (
-    FALLBACK_TEMPERATURES,
-    needs_fallback,
-    transcribe_audio,
-)
+from server.engine.offline import transcribe_audio
 
 
 def _result(stop: StopReason, avg_logprob: float = -0.3) -> DecodeResult:
@@ -52,6 +49,9 @@ class CountingEngine:
     def decode_encoded(self, requests: list[DecodeRequest], feats: list[Any]) -> list[DecodeResult]:
         self.temperatures += [r.options.temperature for r in requests]
         return self.engine.decode_encoded(requests, feats)
+
+    # The real fallback loop, over the counting encode and decode above.
+    transcribe_window = Engine.transcribe_window
 
 
 def test_fallback_is_for_loops_and_doubtful_text_never_for_silence() -> None:

@@ -1,16 +1,24 @@
-"""The streaming APIs this server speaks, one entry each: adding an API is a module and a line.
+"""The APIs this server speaks, one entry each: adding an API is a module and a line.
 
-``routes.py`` checks each one's handshake (API key schemes, its own query) and ``app.py``
-gives each connection on its path a new adapter of its kind.
+Streaming APIs (WebSocket): ``routes.py`` checks each one's handshake (API key schemes, its
+own query) and ``app.py`` gives each connection on its path a new adapter of its kind. File
+APIs (a recording POSTed whole): ``rest.py`` checks, transcribes and answers in each one's
+shape.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from server.apis import deepgram_live, openai_realtime, v1_stream
+from server.apis import deepgram_live, openai_realtime, openai_transcriptions, v1_stream
 from server.apis.adapters import StreamApi
+from server.apis.files import FileRoute
 
 STREAM_APIS: Mapping[str, StreamApi] = {
     api.path: api for api in (v1_stream.API, openai_realtime.API, deepgram_live.API)
+}
+
+FILE_ROUTES: Mapping[str, FileRoute] = {
+    route.path: route
+    for route in (openai_transcriptions.TRANSCRIPTIONS, openai_transcriptions.TRANSLATIONS)
 }

@@ -28,6 +28,11 @@ with a few timed calls on synthetic windows, so the estimate exists before the f
 same model sets how many windows a call takes (``CapacityModel.batch_size``: the batch that brings
 words to their final soonest) and the least audio a stream gathers between decodes.
 
+Files: ``background`` runs engine calls that are no stream's window (the 30 s windows of an
+uploaded file, ``server.decode.file_transcription``) after the streams: one takes a lane only
+while no stream's window waits, and never the last lane free for the streams while any is open.
+They are not timed into the capacity model: they cost what a file costs, not a stream.
+
 Late binding: a window waits in the queue as a claim on a lane; when a lane takes it, its
 session extends it to the audio that arrived meanwhile (``Session.refresh_job``) and only then
 are its features final. A stream that waited for a lane is decoded up to the present.
@@ -36,6 +41,7 @@ are its features final. A stream that waited for a lane is decoded up to the pre
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import heapq
 import itertools
@@ -45,6 +51,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -53,7 +60,7 @@ from server.config import PipelineConfig
 from server.core.engine_api import DecodeRequest, DecodeResult, SpeechEngine, Window
 from server.core.session import DecodeJob
 from server.decode.capacity import CapacityModel
-from server.decode.lanes import LaneLost, ProcessLane, ThreadLane
+from server.decode.lanes import EngineCall, LaneLost, ProcessLane, ThreadLane
 from server.decode.lanes import settle_future as _settle
 from server.metrics import Metrics
 from server.protocol.errors import DecodeError
@@ -62,6 +69,7 @@ from server.protocol.formats import SAMPLE_RATE_HZ
 logger = logging.getLogger("server.decode.pipeline")
 
 Float32Array = npt.NDArray[np.float32]
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -84,6 +92,15 @@ class _QueuedJob:
 
 
 _Outcome = DecodeResult | Exception
+
+
+@dataclass(eq=False)
+class _BackgroundCall:
+    """An engine call that is no stream's window (a window of an uploaded file)."""
+
+    fn: EngineCall[Any]
+    future: asyncio.Future[Any]
+    lost_lanes: int = 0
 
 
 @dataclass(frozen=True)
@@ -153,6 +170,8 @@ class Pipeline:
         # whether one is being gathered now: then no stream waits for the scheduler's hop.
         self._joiners: set[Callable[[], None]] = set()
         self._gathering = False
+        self._background: collections.deque[_BackgroundCall] = collections.deque()
+        self._background_running = 0
         self._closed = False
 
     # -- life cycle ------------------------------------------------------------------------
@@ -301,6 +320,9 @@ class Pipeline:
             self._scheduler.cancel()
         for task in self._runs:
             task.cancel()
+        for call in self._background:
+            _settle(call.future, None, DecodeError("the server is shutting down"))
+        self._background.clear()
         stranded = [r for _, _, r in self._heap] + list(self._in_flight)
         self._heap.clear()
         self._in_flight.clear()
@@ -373,6 +395,24 @@ class Pipeline:
         future = await self.enqueue(job, window, refresh=refresh)
         return await future
 
+    async def background(self, fn: EngineCall[T]) -> T:
+        """Run an engine call that is no stream's window (a window of an uploaded file) on
+        a lane, after the streams: it takes a lane only while no stream's window is waiting,
+        and while streams are open it leaves them one lane of their own (when there are two
+        or more). Raises ``DecodeError`` when it fails; cancelling the await takes it out of
+        the queue."""
+        if self._closed or self._engine is None:
+            raise RuntimeError("the pipeline is not running")
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._background.append(_BackgroundCall(fn, future))
+        self._changed.set()
+        return await future
+
+    @property
+    def background_queued(self) -> int:
+        """Background calls waiting for a lane, and on one."""
+        return len(self._background) + self._background_running
+
     # -- scheduling ------------------------------------------------------------------------
     def _push(self, request: _QueuedJob) -> None:
         heapq.heappush(self._heap, (request.job.created_at, next(self._sequence), request))
@@ -415,8 +455,11 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         wait_s = self.config.batch_wait_ms / 1000.0
         while True:
-            while not (self._heap and self._idle_lanes()):
+            while not (self._idle_lanes() and (self._heap or self._background_due())):
                 await self._wait_change()
+            if not self._heap:
+                self._start_background()
+                continue
             idle = self._idle_lanes()
             slot = idle[0]  # this process's lane first: a lone stream pays no pipe
             # Windows arriving within batch_wait_ms of the oldest waiting one join its batch.
@@ -454,6 +497,49 @@ class Pipeline:
             task = asyncio.create_task(self._run(slot, batch), name=f"whisperwire-{slot.index}")
             self._runs.add(task)
             task.add_done_callback(self._runs.discard)
+
+    def _background_due(self) -> bool:
+        """A background call is waiting and may take a lane now (while streams are open,
+        all but one lane, so a stream's window never waits behind a whole file)."""
+        while self._background and self._background[0].future.done():
+            self._background.popleft()  # cancelled by its caller
+        lanes = self.lanes if self._streams == 0 else max(1, self.lanes - 1)
+        return bool(self._background) and self._background_running < lanes
+
+    def _start_background(self) -> None:
+        # The last idle lane: a child process's, leaving this process's lane (no pipe to
+        # cross) to the streams.
+        slot = self._idle_lanes()[-1]
+        call = self._background.popleft()
+        slot.busy = True
+        self._background_running += 1
+        task = asyncio.create_task(self._run_background(slot, call), name="whisperwire-file")
+        self._runs.add(task)
+        task.add_done_callback(self._runs.discard)
+
+    async def _run_background(self, slot: _LaneSlot, call: _BackgroundCall) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            result = await slot.lane.call(call.fn)
+        except LaneLost as exc:
+            self._lane_lost(slot)
+            call.lost_lanes += 1
+            if call.lost_lanes >= _MAX_LOST_LANES:
+                _settle(call.future, None, exc)
+            else:
+                self._background.appendleft(call)
+        except asyncio.CancelledError:
+            _settle(call.future, None, DecodeError("the server is shutting down"))
+            raise
+        except Exception as exc:
+            _settle(call.future, None, _as_decode_error(exc))
+        else:
+            _settle(call.future, result, None)
+        finally:
+            self._background_running -= 1
+            slot.busy = False
+            slot.free_at = loop.time()
+            self._changed.set()
 
     async def _refresh(self, batch: list[_QueuedJob]) -> None:
         """Bring each job of a batch a lane is about to take up to its stream's newest audio

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from server.core.engine_api import DecodeRequest, DecodeResult, Window
+from server.core.long_form import check_temperatures, needs_fallback
 from server.engine.beam import search
 from server.engine.blas import set_blas_threads
 from server.engine.decoder import StreamingDecoder, Vocabulary
@@ -220,6 +221,30 @@ class Engine:
             return results
         except (RuntimeError, ValueError, IndexError) as exc:
             raise DecodeError(f"decode of {len(windows)} window(s) failed: {exc}") from exc
+
+    def transcribe_window(
+        self, audio: Float32Array, request: DecodeRequest, temperatures: tuple[float, ...]
+    ) -> tuple[DecodeResult, float]:
+        """A long-form window (at most 30 s, at full context) decoded at the first of
+        ``temperatures`` whose result needs no fallback (else at the last one), and that
+        temperature. The audio is encoded once for all of them."""
+        check_temperatures(temperatures)
+        feats = self.encode([self.features(audio, N_FRAMES)])
+        options = request.options
+        result: DecodeResult | None = None
+        for t in temperatures:
+            opts = replace(options, temperature=t, beam_size=1 if t > 0 else options.beam_size)
+            result = self.decode_encoded([replace(request, options=opts)], feats)[0]
+            if not needs_fallback(result, opts):
+                return result, t
+            logger.debug(
+                "window at temperature %.1f: %s, avg logprob %.2f",
+                t,
+                result.stop_reason,
+                result.avg_logprob,
+            )
+        assert result is not None
+        return result, temperatures[-1]
 
     def decode_encoded(
         self, requests: list[DecodeRequest], feats: list[mx.array]

@@ -27,6 +27,7 @@ for admission and to report the largest lag; everything about one client lives o
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import signal
@@ -37,6 +38,7 @@ from urllib.parse import urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
+from websockets.server import ServerProtocol
 
 from server.apis.registry import STREAM_APIS
 from server.apis.v1_stream import STREAM_PATH
@@ -46,6 +48,8 @@ from server.decode.pipeline import Pipeline
 from server.metrics import Metrics
 from server.protocol.messages import MAX_TEXT_MESSAGE_BYTES
 from server.serve.connection import SHUTDOWN, Connection, close_quietly, refuse
+from server.serve.http_front import FrontProtocol
+from server.serve.rest import RestApp
 from server.serve.routes import process_request
 
 logger = logging.getLogger("server.serve.app")
@@ -81,6 +85,7 @@ class WhisperwireServer:
         self.streaming = streaming or StreamingConfig()
         self.vad = vad or VadConfig()
         self._load_engine = load_engine
+        self.rest = RestApp(self)
         self._connections: set[Connection] = set()
         self._ws_server: Server | None = None
         self._port: int | None = None
@@ -113,6 +118,9 @@ class WhisperwireServer:
             self._handle,
             c.host,
             c.port,
+            # Every connection starts at the HTTP front, which hands GETs to the
+            # ServerConnection websockets would have used and answers POSTs itself.
+            create_connection=self._front,  # type: ignore[arg-type]
             process_request=self._process_request,
             compression=None,  # PCM does not deflate; compression would cost memory per client
             open_timeout=c.open_timeout_s,
@@ -297,6 +305,10 @@ class WhisperwireServer:
         return max((c.lag_s for c in self._connections), default=0.0)
 
     # -- HTTP ------------------------------------------------------------------------------
+    def _front(self, protocol: ServerProtocol, server: Server, **options: Any) -> FrontProtocol:
+        websocket = functools.partial(ServerConnection, protocol, server, **options)
+        return FrontProtocol(websocket, self.rest, head_timeout_s=self.config.open_timeout_s)
+
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         return process_request(self, request)
 
