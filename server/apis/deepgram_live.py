@@ -141,7 +141,7 @@ def parse_options(path: str) -> ListenOptions:
         raise ValueError("sample_rate (Hz) is required with encoding=linear16")
     if not MIN_SAMPLE_RATE_HZ <= int(rate) <= MAX_SAMPLE_RATE_HZ:
         raise ValueError(f"sample_rate must be {MIN_SAMPLE_RATE_HZ} to {MAX_SAMPLE_RATE_HZ} Hz")
-    language = _language(one("language") or "en")
+    language = language_code(one("language") or "en")
     endpointing = one("endpointing")
     endpointing_ms = None
     if endpointing not in (None, "false", "true"):
@@ -181,7 +181,7 @@ def handshake_problem(request: Request) -> str | None:
     return None
 
 
-def _language(tag: str) -> str | None:
+def language_code(tag: str) -> str | None:
     """Deepgram's BCP-47 tag (``en-US``) as a Whisper code; ``multi`` asks to detect."""
     if tag == "multi":
         return None
@@ -372,7 +372,7 @@ class DeepgramAdapter:
             self._last_word_end = end
         word_objects = [
             {
-                "word": _plain(w.word) or w.word,
+                "word": plain_word(w.word) or w.word,
                 "start": w.start,
                 "end": w.end,
                 "confidence": w.probability,
@@ -387,7 +387,7 @@ class DeepgramAdapter:
 
     def _kept(self, word: str) -> bool:
         """Whether a word is sent: filler words only with ``filler_words=true``."""
-        return self._options.filler_words or _plain(word) not in FILLER_WORDS
+        return self._options.filler_words or plain_word(word) not in FILLER_WORDS
 
     def _text(self, text: str) -> str:
         """``text`` as this stream's options want it: without filler words unless asked for,
@@ -395,7 +395,7 @@ class DeepgramAdapter:
         kept = [w for w in text.split() if self._kept(w)]
         if self._options.punctuate:
             return " ".join(kept)
-        return " ".join(filter(None, map(_plain, kept)))
+        return " ".join(filter(None, map(plain_word, kept)))
 
     def _interim(self, partial: PartialMessage) -> str:
         text = self._text(partial.text)
@@ -454,11 +454,10 @@ class DeepgramAdapter:
         )
 
     def _model_info(self) -> dict[str, str]:
-        name = self._settings.model if self._settings is not None else "whisperwire"
-        return {"name": name, "version": "whisperwire", "arch": "whisper"}
+        return model_info(self._settings.model if self._settings is not None else "whisperwire")
 
     def _model_uuid(self) -> str:
-        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"whisperwire:{self._model_info()['name']}"))
+        return model_uuid(self._model_info()["name"])
 
     # -- errors ----------------------------------------------------------------------------
     def error_message(
@@ -482,7 +481,17 @@ API = StreamApi(
 )
 
 
-def _plain(word: str) -> str:
+def model_info(name: str) -> dict[str, str]:
+    """Deepgram's ``model_info`` entry for the server's model."""
+    return {"name": name, "version": "whisperwire", "arch": "whisper"}
+
+
+def model_uuid(name: str) -> str:
+    """A stable id for the server's model, where Deepgram names its models by UUID."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"whisperwire:{name}"))
+
+
+def plain_word(word: str) -> str:
     """A word as Deepgram gives it without punctuation: lower case, no punctuation around it."""
     start, end = 0, len(word)
     while start < end and unicodedata.category(word[start]).startswith("P"):

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from server.apis import deepgram_live, openai_realtime, openai_transcriptions, v1_stream
+from server.apis import (
+    deepgram_live,
+    deepgram_prerecorded,
+    openai_realtime,
+    openai_transcriptions,
+    v1_stream,
+)
 from server.apis.adapters import StreamApi
 from server.apis.files import FileRoute
 
@@ -20,5 +26,9 @@ STREAM_APIS: Mapping[str, StreamApi] = {
 
 FILE_ROUTES: Mapping[str, FileRoute] = {
     route.path: route
-    for route in (openai_transcriptions.TRANSCRIPTIONS, openai_transcriptions.TRANSLATIONS)
+    for route in (
+        openai_transcriptions.TRANSCRIPTIONS,
+        openai_transcriptions.TRANSLATIONS,
+        deepgram_prerecorded.PRERECORDED,
+    )
 }

@@ -169,4 +169,28 @@ class LongForm:
     def transcript(self) -> Transcript:
         spans = tuple(s.span for s in self._segments)
         text = "".join(s.text for s in spans).strip()
-        return Transcript(text, spans, self.language, tuple(self._words), tuple(self._segments))
+        words = tuple(join_word_pieces(self._words))
+        return Transcript(text, spans, self.language, words, tuple(self._segments))
+
+
+def join_word_pieces(words: list[WordTiming]) -> list[WordTiming]:
+    """Whisper's word timings as the words of the text: a piece without a leading space
+    (punctuation, the rest of a hyphenated word) belongs to the word before it."""
+    out: list[WordTiming] = []
+    pieces = 1
+    for w in words:
+        if out and not w.word.startswith(" "):
+            last = out[-1]
+            probability = (last.probability * pieces + w.probability) / (pieces + 1)
+            pieces += 1
+            out[-1] = WordTiming(
+                last.word + w.word,
+                last.tokens + w.tokens,
+                last.start_s,
+                max(last.end_s, w.end_s),
+                probability,
+            )
+        else:
+            out.append(w)
+            pieces = 1
+    return out

@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import secrets
 import time
+import uuid
 from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Protocol
@@ -162,7 +162,7 @@ class RestApp:
         pipeline = self._server.pipeline
         engine = pipeline.engine
         model = ModelFacts(engine.name, engine.dims.is_multilingual, language_name)
-        request_id = secrets.token_hex(8)
+        request_id = str(uuid.uuid4())
         started = time.monotonic()
         try:
             job = route.api.parse(request.target, request.headers, request.body, model)

@@ -1,0 +1,269 @@
+"""Deepgram's pre-recorded API: ``POST /v1/listen`` with the recording as the body, as the
+``deepgram-sdk``'s ``listen.v1.media.transcribe_file`` and LiveKit's Deepgram plugin
+(``recognize``) send it.
+
+The body is a file in any container PyAV reads (``Content-Type: audio/wav``, ``audio/mpeg``,
+...), or raw 16-bit PCM with ``encoding=linear16&sample_rate=N``. A JSON body asking us to
+fetch a ``url`` is refused: the server fetches nothing. The answer is Deepgram's: ``metadata``
+and ``results.channels[0].alternatives[0]`` with ``transcript``, ``confidence`` and ``words``
+(times, confidence, ``punctuated_word`` with ``punctuate`` or ``smart_format``), plus
+``results.utterances`` with ``utterances=true``. ``keywords`` and ``keyterm`` become Whisper
+prompt vocabulary. Options that would change the result in a way we cannot deliver
+(``diarize``, ``redact``, summaries) are refused with 400.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from websockets.datastructures import Headers
+
+from server.apis.deepgram_live import (
+    FILLER_WORDS,
+    LISTEN_PATH,
+    language_code,
+    model_info,
+    model_uuid,
+    plain_word,
+)
+from server.apis.files import (
+    FileJob,
+    FileRequestError,
+    FileRoute,
+    Finished,
+    ModelFacts,
+    Rendered,
+)
+from server.core.engine_api import DecodeOptions, WordTiming
+from server.core.long_form import FALLBACK_TEMPERATURES, Segment
+from server.protocol.formats import MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ
+
+AUTH_SCHEMES = ("token", "bearer")
+# Options whose "false" is what we do anyway; "true" asks for what we do not have.
+OFF_ONLY = (
+    "diarize",
+    "multichannel",
+    "numerals",
+    "profanity_filter",
+    "paragraphs",
+    "summarize",
+    "topics",
+    "intents",
+    "sentiment",
+    "detect_entities",
+    "dictation",
+    "measurements",
+)
+QUERY_PARAMETERS = (
+    "model",
+    "language",
+    "detect_language",
+    "punctuate",
+    "smart_format",  # Whisper's text is formatted (punctuation, capitals, digits) already
+    "filler_words",
+    "utterances",
+    "utt_split",  # utterances follow Whisper's segments
+    "keywords",
+    "keyterm",
+    "encoding",
+    "sample_rate",
+    "channels",
+    "mip_opt_out",  # nothing is kept: any value is honoured
+    "tag",
+    "token",
+    "redact",  # only "false"
+    *OFF_ONLY,
+)
+
+
+@dataclass(frozen=True)
+class ListenJob(FileJob):
+    """A pre-recorded request's job, with how Deepgram's answer is to be written."""
+
+    punctuate: bool = False
+    filler_words: bool = False
+    utterances: bool = False
+    detect_language: bool = False
+    sha256: str = ""
+
+
+class DeepgramFileApi:
+    def parse(self, target: str, headers: Headers, body: bytes, model: ModelFacts) -> FileJob:
+        query = parse_qs(urlsplit(target).query, keep_blank_values=True)
+        unknown = sorted(set(query) - set(QUERY_PARAMETERS))
+        if unknown:
+            raise FileRequestError(
+                f"unsupported option(s): {', '.join(k[:40] for k in unknown[:5])}; this server "
+                f"takes {', '.join(QUERY_PARAMETERS)}"
+            )
+
+        def one(name: str) -> str | None:
+            values = query.get(name)
+            return values[-1] if values else None
+
+        def flag(name: str) -> bool:
+            value = one(name)
+            if value not in (None, "true", "false"):
+                raise FileRequestError(f"{name} must be true or false; got {value[:20]!r}")
+            return value == "true"
+
+        for name in OFF_ONLY:
+            if flag(name):
+                raise FileRequestError(f"{name}=true is not available on this server")
+        if one("redact") not in (None, "false"):
+            raise FileRequestError("redact is not available on this server")
+        if one("channels") not in (None, "1"):
+            raise FileRequestError("only channels=1 is supported")
+        if headers.get("Content-Type", "").split(";")[0].strip() == "application/json":
+            raise FileRequestError(
+                "this server does not fetch remote URLs: send the audio itself as the body"
+            )
+        if not body:
+            raise FileRequestError("the request has no audio in its body")
+        pcm_rate_hz = self._pcm_rate(one("encoding"), one("sample_rate"))
+        detect = flag("detect_language")
+        language = self._language(one("language"), detect, model)
+        # keywords carry an optional ":intensifier"; the words themselves are the vocabulary.
+        vocabulary = [k.rsplit(":", 1)[0] for k in query.get("keywords", []) if k]
+        vocabulary += [k for k in query.get("keyterm", []) if k]
+        return ListenJob(
+            body,
+            DecodeOptions(language=language, word_timestamps=True, beam_size=5),
+            FALLBACK_TEMPERATURES,
+            prompt=", ".join(vocabulary),
+            pcm_rate_hz=pcm_rate_hz,
+            words=True,
+            punctuate=flag("punctuate") or flag("smart_format"),
+            filler_words=flag("filler_words"),
+            utterances=flag("utterances"),
+            detect_language=detect,
+            sha256=hashlib.sha256(body).hexdigest(),
+        )
+
+    @staticmethod
+    def _pcm_rate(encoding: str | None, rate: str | None) -> int | None:
+        if encoding is None:
+            return None  # containerised: the file says what it holds
+        if encoding != "linear16":
+            raise FileRequestError(
+                f"encoding={encoding[:20]} is not supported: send a containerised file "
+                "(wav, mp3, ogg, ...) without encoding, or raw encoding=linear16"
+            )
+        if rate is None or not rate.isdigit() or len(rate) > 6:
+            raise FileRequestError("sample_rate (Hz) is required with encoding=linear16")
+        if not MIN_SAMPLE_RATE_HZ <= int(rate) <= MAX_SAMPLE_RATE_HZ:
+            raise FileRequestError(
+                f"sample_rate must be {MIN_SAMPLE_RATE_HZ} to {MAX_SAMPLE_RATE_HZ} Hz"
+            )
+        return int(rate)
+
+    @staticmethod
+    def _language(tag: str | None, detect: bool, model: ModelFacts) -> str | None:
+        if not model.multilingual:
+            if tag is not None and not detect and tag.split("-")[0].lower() != "en":
+                raise FileRequestError(
+                    f"the model {model.name} is English-only; language {tag[:20]!r} is "
+                    "not available"
+                )
+            return "en"
+        if detect or tag is None:
+            return None
+        try:
+            code = language_code(tag)
+        except ValueError as exc:
+            raise FileRequestError(str(exc)) from exc
+        if code is not None and model.language_name(code) is None:
+            raise FileRequestError(f"unknown language {tag[:20]!r}")
+        return code
+
+    # -- answers ---------------------------------------------------------------------------
+    def render(self, job: FileJob, done: Finished) -> Rendered:
+        assert isinstance(job, ListenJob)
+        transcript = done.transcript
+        words = [w for w in transcript.words if job.filler_words or _kept(w)]
+        channel: dict[str, Any] = {"alternatives": [_alternative(job, words)]}
+        if job.detect_language:
+            channel["detected_language"] = transcript.language or "en"
+            channel["language_confidence"] = 1.0 if not done.model.multilingual else None
+        results: dict[str, Any] = {"channels": [channel]}
+        if job.utterances:
+            results["utterances"] = [
+                _utterance(job, s, words, done.request_id) for s in transcript.segments
+            ]
+        uid = model_uuid(done.model.name)
+        body = {
+            "metadata": {
+                "transaction_key": "deprecated",
+                "request_id": done.request_id,
+                "sha256": job.sha256,
+                "created": datetime.datetime.now(datetime.timezone.utc)
+                .isoformat()
+                .replace("+00:00", "Z"),
+                "duration": round(done.duration_s, 3),
+                "channels": 1,
+                "models": [uid],
+                "model_info": {uid: model_info(done.model.name)},
+            },
+            "results": results,
+        }
+        return Rendered("application/json", json.dumps(body, ensure_ascii=False).encode("utf-8"))
+
+    def render_error(self, status: HTTPStatus, message: str, param: str | None) -> Rendered:
+        body = {"err_code": status.phrase, "err_msg": message, "request_id": str(uuid.uuid4())}
+        return Rendered("application/json", json.dumps(body).encode("utf-8"))
+
+    def render_delta(self, segments: list[Segment]) -> bytes:
+        raise NotImplementedError("Deepgram's pre-recorded API does not stream")
+
+    def render_done(self, job: FileJob, done: Finished) -> bytes:
+        raise NotImplementedError("Deepgram's pre-recorded API does not stream")
+
+
+def _kept(word: WordTiming) -> bool:
+    return plain_word(word.word) not in FILLER_WORDS
+
+
+def _alternative(job: ListenJob, words: list[WordTiming]) -> dict[str, Any]:
+    objects = [
+        {
+            "word": plain_word(w.word) or w.word.strip(),
+            "start": round(w.start_s, 3),
+            "end": round(w.end_s, 3),
+            "confidence": round(w.probability, 4),
+            **({"punctuated_word": w.word.strip()} if job.punctuate else {}),
+        }
+        for w in words
+    ]
+    if job.punctuate:
+        text = " ".join(w.word.strip() for w in words)
+    else:
+        text = " ".join(filter(None, (plain_word(w.word) for w in words)))
+    confidence = sum(w.probability for w in words) / len(words) if words else 0.0
+    return {"transcript": text, "confidence": round(confidence, 4), "words": objects}
+
+
+def _utterance(
+    job: ListenJob, segment: Segment, words: list[WordTiming], request_id: str
+) -> dict[str, Any]:
+    span = segment.span
+    inside = [w for w in words if span.start_s - 0.01 <= w.start_s < span.end_s]
+    alternative = _alternative(job, inside)
+    return {
+        "start": round(span.start_s, 3),
+        "end": round(span.end_s, 3),
+        "confidence": alternative["confidence"],
+        "channel": 0,
+        "transcript": alternative["transcript"],
+        "words": alternative["words"],
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{request_id}:{span.start_s:.3f}")),
+    }
+
+
+PRERECORDED = FileRoute(LISTEN_PATH, AUTH_SCHEMES, DeepgramFileApi())
