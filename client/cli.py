@@ -117,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--retries",
         type=_non_negative_int,
         default=RetryPolicy().max_retries,
-        help="connect again this many times in a row when the server goes away, is full or "
-        "the connection drops, resuming the audio; 0: never (default: %(default)s)",
+        help="connect again this many times in a row when the server goes away, is full "
+        "(after the wait its Retry-After asks for) or the connection drops, resuming the "
+        "audio; 0: never (default: %(default)s)",
     )
 
     parser = argparse.ArgumentParser(

@@ -72,6 +72,9 @@ class RetryPolicy:
     backoff_first_s: float = 0.5  # wait before the first retry; doubles with each failure
     backoff_max_s: float = 10.0
     jitter: float = 0.2  # each wait is scaled by a random factor in [1 - jitter, 1 + jitter]
+    # A refusal's Retry-After (a full server's 503) is waited out instead of the backoff, up
+    # to this long: the server knows when a seat may free; a bad hint must not stall us.
+    retry_after_max_s: float = 60.0
     # Audio kept for a resend in a new session: since the seam words (a cap for long
     # speech without a final; past it, the oldest is dropped with a warning).
     max_replay_s: float = 60.0
@@ -85,10 +88,20 @@ class RetryPolicy:
             raise ValueError(f"jitter must be in [0, 1); got {self.jitter}")
         if self.max_replay_s <= 0:
             raise ValueError(f"max_replay_s must be > 0; got {self.max_replay_s}")
+        if self.retry_after_max_s < 0:
+            raise ValueError(f"retry_after_max_s must be >= 0; got {self.retry_after_max_s}")
 
-    def backoff_s(self, failures: int, rng: random.Random) -> float:
-        """The wait before the next attempt, after ``failures`` (>= 1) in a row."""
-        base = min(self.backoff_max_s, self.backoff_first_s * 2.0 ** (failures - 1))
+    def backoff_s(
+        self, failures: int, rng: random.Random, *, retry_after_s: float | None = None
+    ) -> float:
+        """The wait before the next attempt, after ``failures`` (>= 1) in a row: the
+        server's ``retry_after_s`` when it gave one (capped at ``retry_after_max_s``), else
+        the doubling backoff. Either is jittered, so the clients one full server refused
+        do not all come back in the same instant."""
+        if retry_after_s is not None:
+            base = min(self.retry_after_max_s, retry_after_s)
+        else:
+            base = min(self.backoff_max_s, self.backoff_first_s * 2.0 ** (failures - 1))
         return base * rng.uniform(1 - self.jitter, 1 + self.jitter)
 
 
@@ -356,7 +369,8 @@ async def stream_with_reconnect(
             if failures > policy.max_retries:
                 raise error
             start_bytes = next_bytes
-            delay_s = policy.backoff_s(failures, chooser)
+            hint_s = error.retry_after_s if isinstance(error, ConnectError) else None
+            delay_s = policy.backoff_s(failures, chooser, retry_after_s=hint_s)
             logger.warning("%s; reconnecting in %.1f s", error, delay_s)
             if on_reconnect is not None:
                 on_reconnect(str(error), delay_s)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import email.utils
 import logging
 import time
 import urllib.parse
@@ -76,13 +77,16 @@ class ClientError(WhisperwireError):
 class ConnectError(ClientError):
     """No WebSocket session: connection refused, bad URL, or the handshake was refused.
 
-    ``status`` is the HTTP status of a refused handshake (503: not ready or draining), None
-    when no HTTP answer came.
+    ``status`` is the HTTP status of a refused handshake (503: full, not ready or draining),
+    None when no HTTP answer came; ``retry_after_s`` the wait its ``Retry-After`` asked for.
     """
 
-    def __init__(self, message: str, *, status: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, status: int | None = None, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s
 
 
 class StreamFailed(ClientError):
@@ -276,6 +280,23 @@ async def stream_audio(
         return await run.run(ready_timeout_s=ready_timeout_s, done_timeout_s=done_timeout_s)
 
 
+def retry_after_s(value: str | None) -> float | None:
+    """Seconds a ``Retry-After`` header asks to wait (delay-seconds or an HTTP date); None
+    when absent or unreadable."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
 async def _connect(
     shown_url: str, full_url: str, headers: dict[str, str] | None, open_timeout_s: float
 ) -> ClientConnection:
@@ -295,7 +316,9 @@ async def _connect(
         body = exc.response.body.decode("utf-8", "replace").strip().splitlines()
         detail = f": {body[0][:200]}" if body else ""
         raise ConnectError(
-            f"{shown_url} refused the connection: HTTP {status}{detail}", status=status
+            f"{shown_url} refused the connection: HTTP {status}{detail}",
+            status=status,
+            retry_after_s=retry_after_s(exc.response.headers.get("Retry-After")),
         ) from exc
     except (TimeoutError, asyncio.TimeoutError) as exc:  # distinct classes before 3.11
         raise ConnectError(f"cannot connect to {shown_url}: timed out") from exc

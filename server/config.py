@@ -175,9 +175,17 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8765  # 0: any free port (tests)
     max_sessions: int = 32  # concurrent streams; more are refused with close 1013
-    # Also refuse (1013) a stream beyond what the decode lanes are measured to keep in real
-    # time (PipelineConfig.capacity_hop_s); off: only max_sessions limits.
+    # Also refuse a stream beyond what the decode lanes are measured to keep in real time
+    # (PipelineConfig.capacity_hop_s); off: only max_sessions limits.
     capacity_limit: bool = True
+    # The real-time streams this machine carries, as measured (make bench-capacity's
+    # max_streams_p95_final_le_2s): the estimate is pinned there. None: measured at startup
+    # and in service, held between a floor and a ceiling from the startup calibration.
+    capacity_streams: int | None = None
+    # The Retry-After of a stream refused with HTTP 503 (full, draining, loading): a session
+    # lasts minutes, so a refused client that asks again this much later finds a seat soon
+    # after one frees, without hammering; a balancer retries elsewhere at once regardless.
+    retry_after_s: int = 5
     max_session_s: float = 4 * 3600.0  # wall-clock or audio seconds, whichever comes first
     idle_timeout_s: float = 30.0  # no frame from the client for this long ends the session
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
@@ -208,6 +216,10 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535]; got {self.port}")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1; got {self.max_sessions}")
+        if self.capacity_streams is not None and self.capacity_streams < 1:
+            raise ValueError(f"capacity_streams must be None or >= 1; got {self.capacity_streams}")
+        if not 1 <= self.retry_after_s <= 3600:
+            raise ValueError(f"retry_after_s must be in [1, 3600]; got {self.retry_after_s}")
         for name in ("max_session_s", "idle_timeout_s", "open_timeout_s", "close_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0; got {getattr(self, name)}")

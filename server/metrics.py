@@ -234,6 +234,34 @@ class Metrics:
             "Capacity estimate minus open sessions (negative: more are open, with the limit off "
             "or after the estimate fell)",
         )
+        # How the estimate was derived (server.decode.capacity): it follows the measured figure
+        # with hysteresis, between the floor and the ceiling.
+        self.capacity_measured_streams = Gauge(
+            "whisperwire_capacity_measured_streams",
+            "Streams the cost fitted to the recent real-time engine calls implies now",
+        )
+        self.capacity_floor_streams = Gauge(
+            "whisperwire_capacity_floor_streams",
+            "The least the capacity estimate may say (startup calibration, or --capacity)",
+        )
+        self.capacity_ceiling_streams = Gauge(
+            "whisperwire_capacity_ceiling_streams",
+            "The most the capacity estimate may say (startup calibration, or --capacity; at "
+            "most max_sessions)",
+        )
+        self.capacity_window_s = Gauge(
+            "whisperwire_capacity_window_seconds",
+            "Typical audio of a real-time stream's window (median of the recent ones)",
+        )
+        self.capacity_window_cost_s = Gauge(
+            "whisperwire_capacity_window_cost_seconds",
+            "Fitted wall time of one engine call on one typical window",
+        )
+        self.capacity_catch_up_calls = Counter(
+            "whisperwire_capacity_catch_up_calls_total",
+            "Engine calls on windows of streams sent ahead of real time, counted as backlog "
+            "and left out of the estimate",
+        )
 
     def all(self) -> list[_Metric]:
         """Every metric, in the order they are rendered."""
@@ -255,6 +283,12 @@ class Metrics:
             self.errors,
             self.capacity_streams,
             self.capacity_headroom_streams,
+            self.capacity_measured_streams,
+            self.capacity_floor_streams,
+            self.capacity_ceiling_streams,
+            self.capacity_window_s,
+            self.capacity_window_cost_s,
+            self.capacity_catch_up_calls,
         ]
 
     def observe_batch(self, size: int, elapsed_s: float, audio_s: float) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -118,12 +121,18 @@ def test_a_free_engine_carries_the_limit() -> None:
 
 
 def model(**overrides: float) -> CapacityModel:
-    options: dict[str, float] = {"hop_s": 1.0, "utilization": 0.8, "max_batch_size": 8}
+    options: dict[str, float] = {
+        "hop_s": 1.0,
+        "utilization": 0.8,
+        "max_batch_size": 8,
+        "settle_calls": 16,
+    }
     options.update(overrides)
     return CapacityModel(
         hop_s=options["hop_s"],
         utilization=options["utilization"],
         max_batch_size=int(options["max_batch_size"]),
+        settle_calls=int(options["settle_calls"]),
     )
 
 
@@ -139,8 +148,8 @@ def test_measured_calls_give_the_stream_count() -> None:
     for _ in range(3):
         m.observe([4.0], 0.3)  # 0.1 s + 0.2 s per window
         m.observe([4.0, 4.0], 0.5)
-    assert m.streams(limit=32) == 3  # 0.7 s; four would take 0.9 s
-    assert m.streams(limit=2) == 2
+    assert m.measured_streams(limit=32) == 3  # 0.7 s; four would take 0.9 s
+    assert m.measured_streams(limit=2) == 2
 
 
 def test_lanes_side_by_side_multiply_the_streams_and_share_the_hop() -> None:
@@ -150,8 +159,8 @@ def test_lanes_side_by_side_multiply_the_streams_and_share_the_hop() -> None:
         m.observe([4.0, 4.0], 0.5)
     one_lane_hop_s = [m.stream_hop_s(n) for n in (1, 2, 3)]
     m.lanes = 2
-    assert m.streams(limit=32) == 6  # three per lane
-    assert m.streams(limit=5) == 5
+    assert m.measured_streams(limit=32) == 6  # three per lane
+    assert m.measured_streams(limit=5) == 5
     # Four streams on two lanes: each lane's round is two windows, as two streams on one.
     assert m.stream_hop_s(4) == pytest.approx(one_lane_hop_s[1])
     assert m.stream_hop_s(3) == pytest.approx(one_lane_hop_s[1])  # the fuller lane counts
@@ -276,3 +285,111 @@ def test_bad_settings_are_refused(overrides: dict[str, float]) -> None:
 def test_a_call_of_no_windows_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one window"):
         model().observe([], 0.1)
+
+
+# --------------------------------------------------------------------------- on any history
+#
+# Calls a real server timed (tests/capacity_calls.json: tiny.en on two lanes of a 2-core CPU):
+# its startup seeds, four clients sending an 11 s clip at pace 0 at once, then the same four
+# at 1x. Before catch-up was told apart and the estimate held, the burst took it from 10 to 4
+# here (to 2 with the clients as processes of their own: issue #32).
+
+RECORDED = json.loads((Path(__file__).parent / "capacity_calls.json").read_text())
+
+
+def recorded_model(**options: int) -> CapacityModel:
+    """A 2-lane server's model after its startup calibration, as ``Pipeline`` leaves it."""
+    m = CapacityModel(hop_s=1.0, utilization=0.8, max_batch_size=8, **options)
+    m.lanes = 2
+    for windows, cost_s in RECORDED["seeds"]:
+        m.seed(windows, cost_s)
+    bounds = m.calibrated_bounds()
+    assert bounds is not None
+    m.set_bounds(*bounds, "startup calibration")
+    return m
+
+
+def feed(m: CapacityModel, phase: str, *, catch_up: bool = True) -> None:
+    for call in RECORDED[phase]:
+        m.observe(call[0], call[1], call[2] if catch_up and len(call) > 2 else ())
+
+
+def test_at_an_idle_start_the_estimate_is_the_calibrations_and_bounded_by_it() -> None:
+    m = recorded_model()
+    start = m.streams(limit=32)
+    assert (m.floor, m.ceiling) == (start // 2, start)
+    assert start == m.measured_streams() == 10  # 0.8 s / 140 ms per 4 s window, two lanes
+    assert "held within 5-10 (startup calibration)" in m.explain(limit=32)
+
+
+def test_a_pace_0_burst_is_backlog_and_leaves_the_estimate_where_it_was() -> None:
+    m = recorded_model()
+    start = m.streams(limit=32)
+    feed(m, "burst")
+    assert m.catch_up_calls == 4  # the first window of each stream: 3 s more were waiting
+    assert m.streams(limit=32) == start
+    assert m.typical_window_s == pytest.approx(3.01)  # the closing windows alone
+
+
+def test_without_telling_catch_up_apart_or_holding_the_burst_halves_the_estimate() -> None:
+    # The cause, kept as a check that the recorded burst still shows it: its long windows set
+    # the typical window, and its eight calls, timed while the server took in 44 s of audio at
+    # once, rescale the seeds by 1.7.
+    m = recorded_model(settle_calls=1)
+    m.set_bounds(1, 32, "none")
+    start = m.streams(limit=32)
+    feed(m, "burst", catch_up=False)
+    assert m.seed_scale == pytest.approx(1.72, abs=0.05)
+    assert m.measured_streams() <= start // 2
+
+
+def test_hysteresis_takes_agreeing_calls_to_move_one_stream() -> None:
+    m = model(settle_calls=4)
+    m.seed([4.0], 0.3)  # 0.1 s + 0.2 s per window: 2 streams a lane
+    m.seed([8.0], 0.3)
+    m.seed([4.0] * 4, 0.9)
+    assert m.streams(limit=32) == 3
+    for n in range(3):
+        m.observe([4.0], 0.9)  # three times dearer: the measured estimate drops to 1
+        assert m.streams(limit=32) == 3, n
+    m.observe([4.0], 0.9)
+    assert m.streams(limit=32) == 2  # one stream, after four calls in a row
+    for _ in range(3):
+        m.observe([4.0], 0.9)
+    assert m.streams(limit=32) == 2  # each step takes four calls of its own
+    m.observe([4.0], 0.9)
+    assert m.streams(limit=32) == 1
+
+
+def test_a_real_time_load_keeps_it_within_one_stream_and_a_long_idle_changes_nothing() -> None:
+    m = recorded_model()
+    start = m.streams(limit=32)
+    feed(m, "burst")
+    feed(m, "realtime")
+    after_load = m.streams(limit=32)
+    assert abs(after_load - start) <= 1
+    assert m.floor is not None and m.ceiling is not None
+    assert m.floor <= m.measured_streams() <= 2 * m.ceiling  # the fit itself is sane
+    # An idle server times nothing: its estimate is the one its last clients left.
+    assert m.streams(limit=32) == after_load
+    feed(m, "burst")  # and a burst after the idle is backlog again
+    assert m.streams(limit=32) == after_load
+
+
+def test_capacity_set_by_hand_pins_the_estimate() -> None:
+    m = model()
+    m.set_bounds(3, 3, "--capacity")
+    assert m.streams(limit=32) == 3  # before anything was measured
+    for _ in range(100):
+        m.observe([4.0], 0.01)  # however cheap the calls
+    assert m.streams(limit=32) == 3
+    assert m.measured_streams() > 3
+    assert m.streams(limit=2) == 2  # max_sessions still caps it
+    assert "pinned at 3 by --capacity" in m.explain(limit=32)
+    with pytest.raises(ValueError, match="floor <= ceiling"):
+        m.set_bounds(4, 3, "x")
+
+
+def test_catch_up_needs_one_figure_per_window() -> None:
+    with pytest.raises(ValueError, match="catch_up_s"):
+        model().observe([4.0, 4.0], 0.3, [0.0])

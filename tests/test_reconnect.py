@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import itertools
 import random
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from client.reconnect import (
     stream_with_reconnect,
 )
 from client.sources import FileSource, SourceError
-from client.stream import ConnectError, StreamFailed
+from client.stream import ConnectError, StreamFailed, retry_after_s
 from server.config import ServerConfig
 from server.protocol.formats import AudioFormat
 from server.protocol.messages import (
@@ -57,6 +59,28 @@ def test_backoff_doubles_up_to_its_cap_with_jitter() -> None:
         assert 0.8 * base <= wait <= 1.2 * base
     with pytest.raises(ValueError, match="jitter"):
         RetryPolicy(jitter=1.0)
+
+
+def test_a_servers_retry_after_replaces_the_backoff_up_to_a_cap() -> None:
+    policy = RetryPolicy(backoff_first_s=0.5, jitter=0.2, retry_after_max_s=30.0)
+    rng = random.Random(7)
+    assert 0.8 * 5 <= policy.backoff_s(1, rng, retry_after_s=5.0) <= 1.2 * 5
+    assert 0.8 * 5 <= policy.backoff_s(4, rng, retry_after_s=5.0) <= 1.2 * 5  # not doubled
+    assert 0.8 * 30 <= policy.backoff_s(1, rng, retry_after_s=3600.0) <= 1.2 * 30
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [("5", 5.0), (" 12 ", 12.0), (None, None), ("soon", None), ("-3", None)],
+)
+def test_retry_after_is_read_as_delay_seconds(header: str | None, seconds: float | None) -> None:
+    assert retry_after_s(header) == seconds
+
+
+def test_retry_after_as_an_http_date() -> None:
+    later = email.utils.formatdate(time.time() + 30, usegmt=True)
+    wait = retry_after_s(later)
+    assert wait is not None and 28 <= wait <= 31
 
 
 def test_what_is_retried() -> None:
@@ -210,7 +234,28 @@ async def test_a_full_server_is_retried_until_a_session_ends(speech_dir: Path) -
             while not reconnects:
                 await asyncio.sleep(0.01)  # refused at least once while the slot is held
         resumed = await asyncio.wait_for(streaming, WAIT_S)
-    assert "server_full" in reconnects[0]
+    assert "HTTP 503" in reconnects[0] and "concurrent sessions" in reconnects[0]
+    check_one_timeline(resumed, source.duration_s)
+
+
+@on_session_loop
+async def test_a_full_server_is_waited_out_as_its_retry_after_asks(speech_dir: Path) -> None:
+    source = FileSource(speech_dir / "ljspeech/LJ001-0004.wav")
+    waits: list[float] = []
+    async with scripted(max_sessions=1, retry_after_s=1) as server:
+        url = server.url + "/v1/stream"
+        async with connect(url) as holder:
+            await holder.recv()
+            streaming = asyncio.create_task(
+                stream_with_reconnect(
+                    url, source, pace=0, retry=FAST, on_reconnect=lambda _, s: waits.append(s)
+                )
+            )
+            while not waits:
+                await asyncio.sleep(0.01)
+        resumed = await asyncio.wait_for(streaming, WAIT_S)
+    # The server's 1 s, not FAST's 0.05 s backoff (each within the policy's 20% jitter).
+    assert waits and all(0.8 <= s <= 1.2 for s in waits), waits
     check_one_timeline(resumed, source.duration_s)
 
 

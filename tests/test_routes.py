@@ -14,7 +14,7 @@ from bench.http_probe import metric_value
 from server.apis.v1_stream import STREAM_PATH
 from server.config import ServerConfig
 from server.metrics import Metrics
-from server.serve.routes import process_request, response, web_file
+from server.serve.routes import Full, process_request, response, web_file
 
 
 @dataclass
@@ -26,10 +26,14 @@ class StubServerState:
     ready: bool = True
     closing: bool = False
     draining: bool = False
-    full: str | None = None
+    full: Full | None = None
+    summary: str = "capacity 4 real-time stream(s) on 2 lane(s); 0 open"
 
-    def full_reason(self) -> str | None:
+    def full_reason(self) -> Full | None:
         return self.full
+
+    def capacity_summary(self) -> str:
+        return self.summary
 
 
 def get(state: StubServerState, path: str, **headers: str) -> Response:
@@ -72,7 +76,8 @@ def test_only_page_files_are_served(name: str) -> None:
 def test_probes_and_page() -> None:
     state = StubServerState()
     assert get(state, "/healthz").body == b"ok\n"
-    assert (get(state, "/readyz").status_code, get(state, "/readyz").body) == (200, b"ready\n")
+    ready = get(state, "/readyz")
+    assert (ready.status_code, ready.body) == (200, f"ready\n{state.summary}\n".encode())
     page = get(state, "/")
     assert page.headers["Content-Type"] == "text/html; charset=utf-8"
     assert get(state, "/static/app.js").body == get(state, "/app.js").body
@@ -85,8 +90,10 @@ def test_readyz_says_why_it_is_not_ready() -> None:
     assert get(StubServerState(ready=False), "/readyz").body == b"not ready: loading the model\n"
     closing = StubServerState(ready=False, closing=True)
     assert get(closing, "/readyz").body == b"not ready: shutting down\n"
-    full = get(StubServerState(full="at the limit"), "/readyz")
-    assert (full.status_code, full.body) == (503, b"not ready: full: at the limit\n")
+    state = StubServerState(full=Full("capacity", "at the limit"))
+    full = get(state, "/readyz")
+    assert full.status_code == 503 and full.headers["Retry-After"] == "5"
+    assert full.body == f"not ready: full: at the limit\n{state.summary}\n".encode()
     draining = get(StubServerState(ready=False, draining=True), "/readyz")
     assert (draining.status_code, draining.body) == (503, b"not ready: draining\n")
 
@@ -100,6 +107,27 @@ def test_a_draining_server_refuses_new_streams_with_a_503_a_balancer_may_replay(
     name = "whisperwire_sessions_refused_total"
     assert metric_value(page, f'{name}{{reason="draining"}}') == 1
     assert metric_value(page, f'{name}{{reason="not_ready"}}') == 0
+
+
+@pytest.mark.parametrize("reason", ["capacity", "server_full"])
+def test_a_full_server_refuses_the_handshake_with_503_and_retry_after(reason: str) -> None:
+    state = StubServerState(
+        config=ServerConfig(retry_after_s=7), full=Full(reason, "the server carries 2")
+    )
+    refused = get(state, STREAM_PATH)
+    assert (refused.status_code, refused.headers["Retry-After"]) == (503, "7")
+    assert refused.body == b"the server carries 2\n"
+    name = "whisperwire_sessions_refused_total"
+    assert metric_value(state.metrics.render(), f'{name}{{reason="{reason}"}}') == 1
+
+
+def test_a_bad_key_or_query_is_told_so_before_it_is_told_to_wait() -> None:
+    # A 401 or 400 is final; a 503 would have the client retry a request that cannot pass.
+    full = Full("capacity", "full")
+    state = StubServerState(config=ServerConfig(api_key="s3cret"), full=full)
+    assert get(state, STREAM_PATH).status_code == 401
+    bad_query = get(state, "/v1/listen?encoding=nonsense", Authorization="Token s3cret")
+    assert bad_query.status_code == 400
 
 
 def test_the_stream_handshake_goes_on_when_nothing_refuses_it() -> None:

@@ -31,6 +31,29 @@ is a core of its own, and its calls are timed as they ran, next to the others). 
 is the largest ``N`` whose lane round fits in ``hop_s * utilization``: ``hop_s`` is the
 longest a stream may wait between two decodes, ``utilization`` the share of it a lane may plan
 to be busy (the rest absorbs bursts, loop-guard retries and other work on the same cores).
+
+**What a real-time stream costs, not whatever calls happened.** Three things kept a burst of
+clients sending faster than real time (``whisperwire stream --pace 0``) from being taken for
+what a stream costs; before them, four such clients on a 2-core CPU moved the estimate from
+8 to 2, and the next four real-time clients found two of them refused:
+
+- *Catch-up is backlog.* A window decoded while its stream holds more audio than it (sent
+  ahead of real time: a file at pace 0, a reconnect's replay; ``DecodeJob.catch_up_s``) is
+  a whole stretch of speech at once, up to the window's cap, where a stream that keeps up
+  decodes a window growing by a hop at a time: the median window went from 3-4 s to 5.4 s.
+  Its call is timed while the server ingests, segments and computes features for audio at
+  many times real time on the same cores (the same windows cost 1.4-1.7 times what they do
+  at 1x). Such calls are counted (``catch_up_calls``), not fitted, and their windows are
+  not typical.
+- *Hysteresis.* The published estimate (``streams``) follows the fit's (``measured_streams``)
+  one stream at a time, and only after ``settle_calls`` fitted calls in a row said it should:
+  the seeds are rescaled to the level of the clients' calls (``seed_scale``), so a handful
+  of calls would otherwise replace the whole estimate.
+- *A floor and a ceiling from this machine* (``set_bounds``): the startup calibration's own
+  figure is the ceiling (its noise windows decode fewer tokens than speech, so speech never
+  costs less), and half of it the floor (speech cost 1.1-1.7 times the seeds on the CPU
+  this was measured on); an operator who measured the machine (``make bench-capacity``)
+  pins both with ``--capacity``.
 """
 
 from __future__ import annotations
@@ -53,6 +76,15 @@ _SUBSETS = ((0, 1, 2), (0, 1), (0, 2), (0,), (1, 2), (1,), (2,))
 _TIE = 1e-9
 # Least squares lands exact zeros a few ulps below 0; those are zeros, not negative costs.
 _NEGATIVE_TOLERANCE = 1e-12
+# A window whose stream holds more than this beyond it, received ahead of real time, is
+# catch-up. A stream that keeps up holds at most the end-of-speech silence (up to 1 s after
+# short speech, VadConfig.short_speech_end_silence_ms) past its closing decode, and the
+# jitter of 100 ms frames; a reconnect replays seconds, a file at pace 0 all of itself.
+CATCH_UP_S = 1.5
+# Speech costs up to this many times what the calibration's noise windows cost (tiny.en on a
+# 2-core CPU: 4 s windows 129 ms as noise, 136-226 ms as speech among four 1x streams), so
+# the calibrated figure over this is the floor.
+SPEECH_OVER_NOISE = 2.0
 
 
 @dataclass(frozen=True)
@@ -151,8 +183,12 @@ class CapacityModel:
     level: the seeds stay in the fit as a prior, scaled by how much dearer the clients' calls
     were than the seeds predicted. A few seeds weigh little once a batch size has
     ``calls_per_size`` calls measured, but they keep the fit determined while the clients'
-    calls alone cannot tell its terms apart (one call, or all of one size). Not thread-safe:
-    the event loop owns it.
+    calls alone cannot tell its terms apart (one call, or all of one size).
+
+    ``observe`` counts a call holding a catch-up window as backlog (``catch_up_calls``) and
+    fits the others; ``streams`` is the published estimate, which follows ``measured_streams``
+    by one stream per ``settle_calls`` fitted calls that agree, within ``set_bounds``. Not
+    thread-safe: the event loop owns it.
     """
 
     def __init__(
@@ -164,13 +200,16 @@ class CapacityModel:
         calls_per_size: int = 32,
         recent_windows: int = 256,
         default_window_s: float = 4.0,
+        settle_calls: int = 16,
     ) -> None:
         if hop_s <= 0:
             raise ValueError(f"hop_s must be > 0; got {hop_s}")
         if not 0 < utilization <= 1:
             raise ValueError(f"utilization must be in (0, 1]; got {utilization}")
-        if max_batch_size < 1 or calls_per_size < 1 or recent_windows < 1:
-            raise ValueError("max_batch_size, calls_per_size and recent_windows must be >= 1")
+        if min(max_batch_size, calls_per_size, recent_windows, settle_calls) < 1:
+            raise ValueError(
+                "max_batch_size, calls_per_size, recent_windows and settle_calls must be >= 1"
+            )
         if default_window_s <= 0:
             raise ValueError(f"default_window_s must be > 0; got {default_window_s}")
         self.hop_s = hop_s
@@ -185,6 +224,14 @@ class CapacityModel:
         self._windows: deque[float] = deque(maxlen=recent_windows)
         self._fit: CostFit | None = None
         self._stale = False
+        self.settle_calls = settle_calls
+        self.catch_up_calls = 0  # calls counted as backlog, not fitted
+        self.floor: int | None = None  # set_bounds; None: 1
+        self.ceiling: int | None = None  # set_bounds; None: no ceiling but the caller's limit
+        self.bounds_source = "none"  # where the bounds came from, for /readyz
+        self._held: int | None = None  # the published estimate, once anything was measured
+        # Fitted calls in a row whose measured estimate was above (+) or below (-) the held one.
+        self._pressure = 0
 
     @property
     def budget_s(self) -> float:
@@ -192,19 +239,55 @@ class CapacityModel:
         return self.hop_s * self.utilization
 
     def seed(self, window_audio_s: Sequence[float], cost_s: float) -> None:
-        """A call timed on synthetic windows: it informs the cost, not the typical window."""
+        """A call timed on synthetic windows: it informs the cost, not the typical window.
+        The published estimate starts from the seeds' (``measured_streams``)."""
         self._seeds.append(_call(window_audio_s, cost_s))
         self._seed_fit = fit_cost(self._seeds)
         self._stale = True
+        self._held = self._bounded(self.measured_streams())
+        self._pressure = 0
 
-    def observe(self, window_audio_s: Sequence[float], cost_s: float) -> None:
-        """A call a lane ran for clients, every window decoded by the one call."""
+    def observe(
+        self,
+        window_audio_s: Sequence[float],
+        cost_s: float,
+        catch_up_s: Sequence[float] = (),
+    ) -> bool:
+        """A call a lane ran for clients, every window decoded by the one call;
+        ``catch_up_s``: for each window, what its stream held beyond it that arrived ahead of
+        real time (``DecodeJob.catch_up_s``; none given: all 0). Returns False for a call
+        counted as backlog (a window over ``CATCH_UP_S``), True for one fitted."""
         call = _call(window_audio_s, cost_s)
+        if catch_up_s and len(catch_up_s) != call.windows:
+            raise ValueError(f"{len(catch_up_s)} catch_up_s for {call.windows} windows")
+        if any(behind > CATCH_UP_S for behind in catch_up_s):
+            self.catch_up_calls += 1
+            return False
         if call.windows not in self._by_size:
             self._by_size[call.windows] = deque(maxlen=self._calls_per_size)
         self._by_size[call.windows].append(call)
         self._windows.extend(window_audio_s)
         self._stale = True
+        self._follow()
+        return True
+
+    def set_bounds(self, floor: int, ceiling: int, source: str) -> None:
+        """Hold the published estimate within ``[floor, ceiling]`` from now on (``source``
+        says where they came from: the startup calibration, an operator's ``--capacity``)."""
+        if not 1 <= floor <= ceiling:
+            raise ValueError(f"need 1 <= floor <= ceiling; got {floor}, {ceiling}")
+        self.floor, self.ceiling, self.bounds_source = floor, ceiling, source
+        if self._held is not None or floor == ceiling:
+            self._held = self._bounded(self._held if self._held is not None else ceiling)
+
+    def calibrated_bounds(self) -> tuple[int, int] | None:
+        """The floor and ceiling the seeds alone imply: their estimate (noise decodes fewer
+        tokens than speech: speech never costs less) and that over ``SPEECH_OVER_NOISE``;
+        None before any seed."""
+        if self._seed_fit is None:
+            return None
+        ceiling = self._streams_of(self._seed_fit, self.default_window_s, _UNBOUNDED)
+        return max(1, math.floor(ceiling / SPEECH_OVER_NOISE)), ceiling
 
     @property
     def seed_scale(self) -> float:
@@ -238,8 +321,19 @@ class CapacityModel:
         return statistics.median(self._windows) if self._windows else self.default_window_s
 
     def streams(self, limit: int) -> int:
-        """Streams the lanes keep within the hop, between 1 and ``limit``; ``limit`` while
-        nothing has been measured.
+        """The published estimate: real-time streams to admit, between 1 and ``limit``;
+        ``limit`` while nothing has been measured (and no ``--capacity`` was given).
+
+        It follows ``measured_streams`` with hysteresis, within the floor and ceiling
+        (``set_bounds``).
+        """
+        if self._held is None:
+            return limit
+        return max(1, min(limit, self._held))
+
+    def measured_streams(self, limit: int = 1 << 16) -> int:
+        """Streams the lanes keep within the hop by the fit as it stands, between 1 and
+        ``limit``; ``limit`` while nothing has been measured.
 
         Never below 1: a machine too slow to keep even one stream within the hop still serves
         one, late, rather than refusing everyone.
@@ -247,10 +341,32 @@ class CapacityModel:
         fit = self.fit
         if fit is None:
             return limit
-        per_lane = streams_within(
-            fit, self.budget_s, self.typical_window_s, self.max_batch_size, limit
-        )
-        return max(1, min(limit, per_lane * self.lanes))
+        return max(1, self._streams_of(fit, self.typical_window_s, limit))
+
+    def _streams_of(self, fit: CostFit, window_s: float, limit: int) -> int:
+        per_lane = streams_within(fit, self.budget_s, window_s, self.max_batch_size, limit)
+        return min(limit, per_lane * self.lanes)
+
+    def _bounded(self, streams: int) -> int:
+        if self.ceiling is not None:
+            streams = min(streams, self.ceiling)
+        return max(streams, self.floor or 1)
+
+    def _follow(self) -> None:
+        """One fitted call: move the published estimate one stream toward the measured one
+        once ``settle_calls`` calls in a row pointed the same way."""
+        if self._held is None:
+            self._held = self._bounded(self.measured_streams())
+            return
+        target = self._bounded(self.measured_streams())
+        if target == self._held:
+            self._pressure = 0
+            return
+        step = 1 if target > self._held else -1
+        self._pressure = self._pressure + step if self._pressure * step >= 0 else step
+        if abs(self._pressure) >= self.settle_calls:
+            self._held += step
+            self._pressure = 0
 
     def batch_size(self, streams: int) -> int:
         """How many windows an engine call may take with ``streams`` streams open: the batch
@@ -294,6 +410,22 @@ class CapacityModel:
         round_s = fit.round_s(share, self.typical_window_s, self.batch_size(streams))
         return round_s / self.utilization
 
+    def explain(self, limit: int) -> str:
+        """How the published estimate was derived, in a line (``/readyz``, the log)."""
+        held = self.streams(limit)
+        if self.fit is None and self.floor != self.ceiling:
+            return f"capacity {held}: nothing measured yet (max_sessions)"
+        bounds = (
+            f"pinned at {self.floor} by {self.bounds_source}"
+            if self.floor is not None and self.floor == self.ceiling
+            else f"held within {self.floor or 1}-{self.ceiling or limit} ({self.bounds_source})"
+        )
+        return (
+            f"capacity {held} real-time stream(s) on {self.lanes} lane(s), {bounds}; "
+            f"measured now {self.measured_streams(limit)}: {self.describe()}; "
+            f"{self.catch_up_calls} catch-up call(s) counted as backlog"
+        )
+
     def describe(self) -> str:
         """One line for the log: the fit and what it implies."""
         fit = self.fit
@@ -305,6 +437,9 @@ class CapacityModel:
             f"{fit.per_audio_s * 1000:.0f} ms/audio s; one {window_s:.1f} s window "
             f"{fit.batch_s(1, window_s) * 1000:.0f} ms; round budget {self.budget_s * 1000:.0f} ms"
         )
+
+
+_UNBOUNDED = 1 << 16  # a stream count no machine reaches: "no limit" for streams_within
 
 
 def _call(window_audio_s: Sequence[float], cost_s: float) -> BatchCost:

@@ -76,6 +76,9 @@ T = TypeVar("T")
 
 
 Refresh = Callable[[DecodeJob], DecodeJob]
+# What the job's stream holds beyond it that arrived ahead of real time, asked at dispatch
+# (``StreamDriver.catch_up_s``; ``CapacityModel.observe``: catch-up is backlog, not cost).
+CatchUp = Callable[[DecodeJob], float]
 
 
 @dataclass(eq=False)
@@ -87,6 +90,7 @@ class _QueuedJob:
     future: asyncio.Future[DecodeResult]
     queued_at: float  # loop.time() when it entered the queue
     refresh: Refresh | None = None  # the job over the newest audio, asked at dispatch
+    catch_up: CatchUp | None = None  # None: the stream keeps up
     queued: bool = True  # still in the heap
     lost_lanes: int = 0  # lanes that died while decoding it
 
@@ -339,7 +343,10 @@ class Pipeline:
 
     async def _calibrate(self, lane: ThreadLane) -> None:
         """Time a few engine calls on noise windows into the capacity model (after warmup:
-        first-call costs would inflate them). The lanes are alike; one is timed."""
+        first-call costs would inflate them). The lanes are alike; one is timed. Unless an
+        operator set them (``--capacity``), the seeds' own figure bounds the estimate
+        (``CapacityModel.calibrated_bounds``)."""
+        self._update_lanes()  # the seeds' estimate is of every lane that started
         window_s = self.capacity.typical_window_s
         for windows, multiple in _CALIBRATION_SHAPES:
             size = min(windows, self.config.max_batch_size)
@@ -354,7 +361,10 @@ class Pipeline:
                 )
                 continue
             self.capacity.seed([window_s * multiple] * size, run.elapsed_s)
-        logger.info("capacity model: %s", self.capacity.describe())
+        bounds = self.capacity.calibrated_bounds()
+        if bounds is not None and self.capacity.floor is None:
+            self.capacity.set_bounds(*bounds, "startup calibration")
+        logger.info("capacity model: %s", self.capacity.explain(limit=1 << 16))
 
     def _update_lanes(self) -> None:
         lanes = self.lanes
@@ -370,29 +380,37 @@ class Pipeline:
         return Window(mel, job.request)
 
     async def enqueue(
-        self, job: DecodeJob, window: Window, *, refresh: Refresh | None = None
+        self,
+        job: DecodeJob,
+        window: Window,
+        *,
+        refresh: Refresh | None = None,
+        catch_up: CatchUp | None = None,
     ) -> asyncio.Future[DecodeResult]:
         """Stage 3: queue a window for the lanes; waits while the queue is full.
 
         Returns the future of its result. Cancelling that future takes the window out of the
         queue if it is still waiting. ``refresh``: asked for the job again when a lane takes
-        it (``Session.refresh_job``); a job it extends gets its features again.
+        it (``Session.refresh_job``); a job it extends gets its features again. ``catch_up``:
+        asked then too, for the capacity model (``CapacityModel.observe``).
         """
         if self._closed or self._engine is None:
             raise RuntimeError("the pipeline is not running")
         await self._slots.acquire()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[DecodeResult] = loop.create_future()
-        request = _QueuedJob(job, window, future, loop.time(), refresh)
+        request = _QueuedJob(job, window, future, loop.time(), refresh, catch_up)
         future.add_done_callback(functools.partial(self._forget, request))
         self._push(request)
         return future
 
-    async def decode(self, job: DecodeJob, *, refresh: Refresh | None = None) -> DecodeResult:
+    async def decode(
+        self, job: DecodeJob, *, refresh: Refresh | None = None, catch_up: CatchUp | None = None
+    ) -> DecodeResult:
         """Features, then queue, then the batched decode; raises ``DecodeError`` on failure.
-        ``refresh``: see ``enqueue``."""
+        ``refresh``, ``catch_up``: see ``enqueue``."""
         window = await self.features(job)
-        future = await self.enqueue(job, window, refresh=refresh)
+        future = await self.enqueue(job, window, refresh=refresh, catch_up=catch_up)
         return await future
 
     async def background(self, fn: EngineCall[T]) -> T:
@@ -561,9 +579,11 @@ class Pipeline:
         """One batch on one lane, and its results back to their sessions."""
         loop = asyncio.get_running_loop()
         windows = [r.window for r in batch]
+        catch_up_s = [0.0] * len(batch)
         try:
             await self._refresh(batch)
             windows = [r.window for r in batch]
+            catch_up_s = [r.catch_up(r.job) if r.catch_up else 0.0 for r in batch]
             run = await slot.lane.call(functools.partial(_decode_batch, windows=windows))
         except LaneLost as exc:
             logger.error("%s; its %d window(s) go to another lane", exc, len(batch))
@@ -595,7 +615,9 @@ class Pipeline:
             # A failed batch's time (the failure, then each window alone) is not what a
             # batch of this size costs; nor is a beam-searched closing decode's, which runs
             # only while every stream has a lane (under load closing decodes are greedy).
-            self.capacity.observe(audio_s, run.elapsed_s)
+            fitted = self.capacity.observe(audio_s, run.elapsed_s, catch_up_s)
+            if not fitted:
+                self.metrics.capacity_catch_up_calls.inc()
         for request, outcome in zip(batch, run.outcomes, strict=True):
             if isinstance(outcome, Exception):
                 _settle(request.future, None, outcome)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from dataclasses import dataclass
 
 from server.core.session import DecodeJob, Session, SessionEvent, StreamSettings
@@ -60,6 +61,7 @@ class StreamDriver:
         self._decoding: asyncio.Task[None] | None = None
         self._closed = False
         self._overflowed = False
+        self._first_audio_at: float | None = None  # time.monotonic() of the first audio
         self._registered = True
         pipeline.add_stream()
         pipeline.offer_seats(self._take_seat)
@@ -74,6 +76,8 @@ class StreamDriver:
         try:
             self.session.feed_audio(data)
         finally:
+            if self._first_audio_at is None and self.session.audio_received_s > 0:
+                self._first_audio_at = time.monotonic()
             self._advance()
 
     def configure(self, settings: StreamSettings) -> None:
@@ -134,6 +138,18 @@ class StreamDriver:
     def _refresh_job(self, job: DecodeJob) -> DecodeJob:
         return self.session.refresh_job(job, crowded=self.pipeline.crowded)
 
+    def catch_up_s(self, job: DecodeJob) -> float:
+        """What this stream holds beyond ``job`` that its client sent ahead of real time (a
+        file at pace 0, a reconnect's replay): the audio past the window's end, as far as the
+        audio received leads the wall clock since the first of it. 0 for a client that sends
+        in real time, however far behind the lanes are: that backlog is the lanes' cost."""
+        if self._first_audio_at is None:
+            return 0.0
+        received_s = self.session.audio_received_s
+        beyond_s = received_s - (job.start_s + job.audio_s)
+        ahead_s = received_s - (time.monotonic() - self._first_audio_at)
+        return max(0.0, min(beyond_s, ahead_s))
+
     def _take_seat(self) -> None:
         """A batch is being gathered: queue a window now if the session has one ready."""
         try:
@@ -146,7 +162,9 @@ class StreamDriver:
     async def _decode(self, job: DecodeJob) -> None:
         try:
             try:
-                result = await self.pipeline.decode(job, refresh=self._refresh_job)
+                result = await self.pipeline.decode(
+                    job, refresh=self._refresh_job, catch_up=self.catch_up_s
+                )
             except Exception as exc:
                 # DecodeError, or anything else the engine raised: this job fails, the
                 # session reports it to its client and goes on.

@@ -8,10 +8,13 @@ answered before any handshake (``routes.py``, with the API key and Origin checks
 (``/v1/listen``) are served by the same connections through their adapters
 (``docs/compat.md``).
 
-Admission: a new stream is refused (``server_full``, 1013) when ``max_sessions`` are open, or
-when as many are open as the decode lanes are measured to keep in real time
-(``Pipeline.capacity``; ``ServerConfig.capacity_limit``). The check reads the model's current
-estimate and never waits on the decode lanes; ``/readyz`` says 503 while the server is full.
+Admission: a new stream is refused when ``max_sessions`` are open, or when as many are open
+as the decode lanes are measured to keep in real time (``Pipeline.capacity``;
+``ServerConfig.capacity_limit``, ``capacity_streams``): with HTTP 503 and ``Retry-After``
+before the handshake (``routes.py``), or, when two handshakes passed that check at once, with
+``server_full`` and close 1013 after it. The check reads the model's current estimate and
+never waits on the decode lanes; ``/readyz`` says 503 while the server is full, and how the
+estimate was derived.
 
 Shutdown (``run_server``): SIGTERM first drains, when ``ServerConfig.drain_s`` is above 0:
 ``/readyz`` says 503 ``draining`` and new streams are refused with HTTP 503, so a load
@@ -50,7 +53,7 @@ from server.protocol.messages import MAX_TEXT_MESSAGE_BYTES
 from server.serve.connection import SHUTDOWN, Connection, close_quietly, refuse
 from server.serve.http_front import FrontProtocol
 from server.serve.rest import RestApp
-from server.serve.routes import process_request
+from server.serve.routes import Full, process_request
 
 logger = logging.getLogger("server.serve.app")
 
@@ -99,6 +102,21 @@ class WhisperwireServer:
         self.metrics.capacity_streams.set_function(lambda: self.capacity_streams)
         self.metrics.capacity_headroom_streams.set_function(
             lambda: self.capacity_streams - self.active_sessions
+        )
+        capacity = self.pipeline.capacity
+        if self.config.capacity_streams is not None:
+            n = self.config.capacity_streams
+            capacity.set_bounds(n, n, "--capacity")
+        self.metrics.capacity_measured_streams.set_function(
+            lambda: capacity.measured_streams(limit=self.config.max_sessions)
+        )
+        self.metrics.capacity_floor_streams.set_function(lambda: capacity.floor or 1)
+        self.metrics.capacity_ceiling_streams.set_function(
+            lambda: min(capacity.ceiling or self.config.max_sessions, self.config.max_sessions)
+        )
+        self.metrics.capacity_window_s.set_function(lambda: capacity.typical_window_s)
+        self.metrics.capacity_window_cost_s.set_function(
+            lambda: fit.batch_s(1, capacity.typical_window_s) if (fit := capacity.fit) else 0.0
         )
         self.metrics.draining.set_function(lambda: float(self._draining or self._closing))
 
@@ -195,20 +213,28 @@ class WhisperwireServer:
         ``max_sessions`` (reported even with ``capacity_limit`` off)."""
         return self.pipeline.capacity.streams(limit=self.config.max_sessions)
 
-    def full_reason(self) -> str | None:
-        """Why a new stream would be refused now (the ``server_full`` message), or None."""
+    def full_reason(self) -> Full | None:
+        """Why a new stream would be refused now, or None."""
         active = self.active_sessions
         if active >= self.config.max_sessions:
-            return (
+            return Full(
+                "server_full",
                 f"the server is at its limit of {self.config.max_sessions} concurrent "
-                "sessions; try again later"
+                "sessions; try again later",
             )
         if self.config.capacity_limit and active >= (capacity := self.capacity_streams):
-            return (
+            return Full(
+                "capacity",
                 f"the server carries {capacity} real-time stream(s) and has {active} open; "
-                "try again later"
+                "try again later",
             )
         return None
+
+    def capacity_summary(self) -> str:
+        """How the capacity estimate was derived, in a line (``/readyz``)."""
+        limit = "" if self.config.capacity_limit else " (not enforced: --no-capacity-limit)"
+        explained = self.pipeline.capacity.explain(limit=self.config.max_sessions)
+        return f"{explained}{limit}; {self.active_sessions} open"
 
     async def drain(self) -> float:
         """Refuse new streams (``/readyz`` 503 ``draining``) and serve the open sessions
@@ -324,12 +350,14 @@ class WhisperwireServer:
             return
         full = self.full_reason()
         if full is not None:
-            # "capacity": refused by the estimate, below max_sessions.
-            at_max = self.active_sessions >= self.config.max_sessions
-            self.metrics.sessions_refused.inc(1, "server_full" if at_max else "capacity")
+            # routes.py refuses a full server's handshakes with 503; this is the race of two
+            # handshakes that both passed that check before either session was counted.
+            self.metrics.sessions_refused.inc(1, full.reason)
             self.metrics.errors.inc(1, "server_full")
-            log.warning("refused: %s", full)
-            await refuse(ws, "server_full", full, 1013, self.config.close_timeout_s, adapter)
+            log.warning("refused after the handshake: %s", full.message)
+            await refuse(
+                ws, "server_full", full.message, 1013, self.config.close_timeout_s, adapter
+            )
             return
         conn = Connection(
             ws,

@@ -4,7 +4,7 @@
                        [--quantize-bits 4|8] [--min-context-s 3] [--max-batch-size 8]
                        [--batch-wait-ms 5] [--decode-lanes auto] [--min-right-context-s 0.8]
                        [--closing-beam-size 5]
-                       [--max-sessions 32] [--no-capacity-limit]
+                       [--max-sessions 32] [--no-capacity-limit] [--capacity N]
                        [--capacity-hop-s 1] [--capacity-utilization 0.8]
                        [--max-session-s 14400] [--idle-timeout-s 30] [--api-key KEY]
                        [--allowed-origin URL ...]
@@ -137,14 +137,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-sessions",
         type=int,
         default=s.max_sessions,
-        help="concurrent streams; more are refused with 1013 (default %(default)s)",
+        help="concurrent streams; more are refused with HTTP 503 and Retry-After "
+        "(default %(default)s)",
     )
     limits.add_argument(
         "--capacity-limit",
         action=argparse.BooleanOptionalAction,
         default=s.capacity_limit,
-        help="also refuse (1013) streams beyond what the decode lanes are measured to keep in "
-        "real time, up to --max-sessions (default on)",
+        help="also refuse (HTTP 503) streams beyond what the decode lanes are measured to "
+        "keep in real time, up to --max-sessions (default on)",
+    )
+    limits.add_argument(
+        "--capacity",
+        type=int,
+        default=s.capacity_streams,
+        metavar="N",
+        help="the real-time streams this machine carries, as make bench-capacity measured "
+        "them (max_streams_p95_final_le_2s): admit exactly that many (default: estimated, "
+        "between a floor and a ceiling from a calibration at startup)",
     )
     limits.add_argument(
         "--capacity-hop-s",
@@ -239,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port,
             max_sessions=args.max_sessions,
             capacity_limit=args.capacity_limit,
+            capacity_streams=args.capacity,
             max_session_s=args.max_session_s,
             idle_timeout_s=args.idle_timeout_s,
             api_key=args.api_key,

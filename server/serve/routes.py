@@ -3,8 +3,10 @@
 websockets hands every request to ``process_request`` before any WebSocket handshake; a
 ``Response`` answers it there, None lets the handshake on a stream path go on. The stream
 paths (the APIs of ``server.apis.registry``) are checked here too (readiness, API key, Origin, the
-API's own query), so a refused client gets an HTTP status
-rather than a WebSocket that closes at once.
+API's own query, room for one more stream), so a refused client gets an HTTP status
+rather than a WebSocket that closes at once: a full server says 503 with ``Retry-After``,
+which a balancer replays on another instance (HAProxy's ``retry-on 503``) and the clients
+wait out before they try again.
 
 The page's files are package data of ``server`` (``server/web``).
 """
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import email.utils
 import importlib.resources
+import logging
 import re
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -26,6 +30,8 @@ from server.config import ServerConfig
 from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from server.metrics import Metrics
 from server.serve.access import api_key_offered, origin_allowed
+
+logger = logging.getLogger("server.serve.routes")
 
 WEB_FOLDER = "web"  # under the server package
 _STATIC_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -40,6 +46,14 @@ CONTENT_TYPES = {
     ".ico": "image/x-icon",
     ".wasm": "application/wasm",
 }
+
+
+@dataclass(frozen=True)
+class Full:
+    """Why a new stream would be refused now."""
+
+    reason: str  # whisperwire_sessions_refused_total's label: server_full (max_sessions), capacity
+    message: str  # for the client: the 503's body, or the server_full error after a race
 
 
 class ServerState(Protocol):
@@ -60,7 +74,9 @@ class ServerState(Protocol):
     @property
     def draining(self) -> bool: ...
 
-    def full_reason(self) -> str | None: ...
+    def full_reason(self) -> Full | None: ...
+
+    def capacity_summary(self) -> str: ...
 
 
 def response(
@@ -110,22 +126,27 @@ def process_request(server: ServerState, request: Request) -> Response | None:
     api = STREAM_APIS.get(path)
     if api is not None:
         refused = _check_stream_request(server, request, api.auth_schemes)
-        if refused is not None or api.problem is None:
+        if refused is not None:
             return refused
-        problem = api.problem(request)
-        if problem is not None:
+        if api.problem is not None and (problem := api.problem(request)) is not None:
             server.metrics.sessions_refused.inc(1, "bad_request")
             return response(HTTPStatus.BAD_REQUEST, problem + "\n")
-        return None
+        return _refuse_if_full(server)
     if path == "/healthz":
         return response(HTTPStatus.OK, "ok\n")
     if path == "/readyz":
+        # The first line is the state; the second how the capacity estimate was derived.
         if not server.ready:
             return response(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {_not_ready(server)}\n")
+        capacity = server.capacity_summary() + "\n"
         full = server.full_reason()
         if full is not None:
-            return response(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: full: {full}\n")
-        return response(HTTPStatus.OK, "ready\n")
+            return response(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                f"not ready: full: {full.message}\n{capacity}",
+                headers={"Retry-After": str(server.config.retry_after_s)},
+            )
+        return response(HTTPStatus.OK, f"ready\n{capacity}")
     if path == "/metrics":
         return response(HTTPStatus.OK, server.metrics.render(), METRICS_CONTENT_TYPE)
     name = "index.html" if path == "/" else path.removeprefix("/static/").lstrip("/")
@@ -148,7 +169,7 @@ def _check_stream_request(
         return response(
             HTTPStatus.SERVICE_UNAVAILABLE,
             f"the server is not ready ({state}); retry later\n",
-            headers={"Retry-After": "5"},
+            headers={"Retry-After": str(config.retry_after_s)},
         )
     if config.api_key is not None and not api_key_offered(
         request, config.api_key, schemes=auth_schemes
@@ -163,6 +184,22 @@ def _check_stream_request(
         metrics.sessions_refused.inc(1, "forbidden_origin")
         return response(HTTPStatus.FORBIDDEN, "this Origin may not connect\n")
     return None
+
+
+def _refuse_if_full(server: ServerState) -> Response | None:
+    """503 with ``Retry-After`` before the handshake when no stream more fits: safe to replay
+    elsewhere (nothing was sent), and a status every client and balancer can act on, where a
+    WebSocket opened only to close with 1013 looks to a balancer like a session served."""
+    full = server.full_reason()
+    if full is None:
+        return None
+    server.metrics.sessions_refused.inc(1, full.reason)
+    logger.info("refused a stream (HTTP 503): %s", full.message)
+    return response(
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        full.message + "\n",
+        headers={"Retry-After": str(server.config.retry_after_s)},
+    )
 
 
 def _not_ready(server: ServerState) -> str:
