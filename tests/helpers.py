@@ -15,7 +15,7 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,9 +26,11 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from bench.corpus import ManifestRow
+from server.config import PipelineConfig, ServerConfig, StreamingConfig
 from server.core.engine_api import (
     DecodeRequest,
     DecodeResult,
+    SpeechEngine,
     StopReason,
     TextSpan,
     Window,
@@ -36,6 +38,7 @@ from server.core.engine_api import (
 )
 from server.protocol.errors import DecodeError
 from server.protocol.formats import SAMPLE_RATE_HZ
+from server.serve.app import WhisperwireServer
 
 if TYPE_CHECKING:
     from multiprocessing.synchronize import Semaphore as SemaphoreLike
@@ -271,3 +274,57 @@ def decoded_once(folder: Path, path: Path, decode: Callable[[Path], str]) -> str
             partial.write_text(decode(path), encoding="utf-8")
             partial.replace(done)
         return done.read_text(encoding="utf-8")
+
+
+@contextlib.asynccontextmanager
+async def scripted_server(
+    engine: SpeechEngine | None = None,
+    *,
+    pipeline: PipelineConfig | None = None,
+    streaming: StreamingConfig | None = None,
+    **overrides: Any,
+) -> AsyncIterator[WhisperwireServer]:
+    """A server on a free port with the scripted test-double engine (or ``engine``)."""
+    config = ServerConfig(host="127.0.0.1", port=0, **overrides)
+    chosen = engine or ScriptedEngine()
+    async with WhisperwireServer(
+        lambda: chosen, server=config, pipeline=pipeline, streaming=streaming
+    ) as server:
+        yield server
+
+
+# Containers and codecs people upload, encoded with PyAV (FFmpeg) from real speech.
+UPLOAD_FORMATS: dict[str, tuple[str, str]] = {
+    "wav": ("wav", "pcm_s16le"),
+    "mp3": ("mp3", "libmp3lame"),
+    "m4a": ("ipod", "aac"),
+    "ogg": ("ogg", "libopus"),
+    "webm": ("webm", "libopus"),
+    "flac": ("flac", "flac"),
+}
+
+
+def encode_audio(audio: Float32Array, suffix: str, rate_hz: int = 48_000) -> bytes:
+    """16 kHz mono speech as a ``suffix`` file (``UPLOAD_FORMATS``) at ``rate_hz`` stereo: a
+    phone's or browser's recording, not our own format."""
+    import io
+
+    import av
+    import soxr
+
+    container_format, codec = UPLOAD_FORMATS[suffix]
+    resampled = np.asarray(soxr.resample(audio, SAMPLE_RATE_HZ, rate_hz), dtype=np.float32)
+    stereo = np.stack([resampled, resampled]).astype(np.float32)
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format=container_format) as container:
+        stream = container.add_stream(codec, rate=rate_hz, layout="stereo")  # type: ignore[call-overload]
+        frame_samples = 960
+        for start in range(0, stereo.shape[1], frame_samples):
+            piece = np.ascontiguousarray(stereo[:, start : start + frame_samples])
+            frame = av.AudioFrame.from_ndarray(piece, format="fltp", layout="stereo")
+            frame.sample_rate = rate_hz
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return buffer.getvalue()

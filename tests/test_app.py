@@ -41,7 +41,14 @@ from server.protocol.errors import ModelNotFoundError, StreamError
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.protocol.messages import MAX_TEXT_MESSAGE_BYTES
 from server.serve.app import WhisperwireServer
-from tests.helpers import Float32Array, ScriptedEngine, StreamOutcome, pcm_frames, stream_frames
+from tests.helpers import (
+    Float32Array,
+    ScriptedEngine,
+    StreamOutcome,
+    pcm_frames,
+    scripted_server,
+    stream_frames,
+)
 
 if TYPE_CHECKING:
     from server.engine.engine import Engine
@@ -119,23 +126,6 @@ def check_nothing_lost(outcome: StreamOutcome, *, sent_s: float | None = None) -
     assert done["transcribed_s"] + done["failed_s"] == pytest.approx(done["speech_s"], abs=0.003)
     if not [e for e in outcome.of_type("error") if e["code"] == "decode_failed"]:
         assert done["failed_s"] == 0
-
-
-@contextlib.asynccontextmanager
-async def scripted_server(
-    engine: SpeechEngine | None = None,
-    *,
-    pipeline: PipelineConfig | None = None,
-    streaming: StreamingConfig | None = None,
-    **overrides: Any,
-) -> AsyncIterator[WhisperwireServer]:
-    """A server on a free port with the scripted test-double engine (or ``engine``)."""
-    config = ServerConfig(host="127.0.0.1", port=0, **overrides)
-    chosen = engine or ScriptedEngine()
-    async with WhisperwireServer(
-        lambda: chosen, server=config, pipeline=pipeline, streaming=streaming
-    ) as server:
-        yield server
 
 
 # --------------------------------------------------------------------------- recognition

@@ -6,28 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from bench.corpus import load_clip, wer
-from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
-from server.core.long_form import FALLBACK_TEMPERATURES, needs_fallback
+from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult
+from server.core.long_form import FALLBACK_TEMPERATURES
 from server.engine.engine import Engine
 from server.engine.offline import transcribe_audio
-
-
-def _result(stop: StopReason, avg_logprob: float = -0.3) -> DecodeResult:
-    return DecodeResult(
-        tokens=(1,),
-        text=" x",
-        spans=(),
-        words=(),
-        language="en",
-        avg_logprob=avg_logprob,
-        no_speech_prob=0.1,
-        compression_ratio=1.0,
-        stop_reason=stop,
-        n_generated=1,
-    )
 
 
 class CountingEngine:
@@ -52,24 +35,6 @@ class CountingEngine:
 
     # The real fallback loop, over the counting encode and decode above.
     transcribe_window = Engine.transcribe_window
-
-
-def test_fallback_is_for_loops_and_doubtful_text_never_for_silence() -> None:
-    options = DecodeOptions()
-    assert not needs_fallback(_result(StopReason.EOT), options)
-    assert needs_fallback(_result(StopReason.EOT, avg_logprob=-1.2), options)
-    assert needs_fallback(_result(StopReason.REPETITION), options)
-    assert needs_fallback(_result(StopReason.COMPRESSION), options)
-    assert not needs_fallback(_result(StopReason.NO_SPEECH, avg_logprob=-3.0), options)
-    assert not needs_fallback(_result(StopReason.REPEAT_AT_END), options)
-
-
-def test_temperatures_must_rise(engine: Engine, speech_dir: Path) -> None:
-    audio = load_clip(speech_dir / "misc_en/jfk.wav")
-    with pytest.raises(ValueError, match="rising"):
-        transcribe_audio(engine, audio, temperatures=(0.4, 0.0))
-    with pytest.raises(ValueError, match="rising"):
-        transcribe_audio(engine, audio, temperatures=())
 
 
 def test_a_confident_window_is_decoded_once(engine: Engine, speech_dir: Path) -> None:

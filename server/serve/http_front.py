@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Protocol
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import h11
@@ -91,10 +91,10 @@ class FrontProtocol(asyncio.Protocol):
         self._exchange: _Exchange | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
+        self._transport = cast(asyncio.Transport, transport)
         loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self._head_timeout_s, transport.abort)
+        self._timer = loop.call_later(self._head_timeout_s, self._transport.abort)
 
     def data_received(self, data: bytes) -> None:
         if self._exchange is not None:
