@@ -317,7 +317,8 @@ def encode_audio(audio: Float32Array, suffix: str, rate_hz: int = 48_000) -> byt
     stereo = np.stack([resampled, resampled]).astype(np.float32)
     buffer = io.BytesIO()
     with av.open(buffer, mode="w", format=container_format) as container:
-        stream = container.add_stream(codec, rate=rate_hz, layout="stereo")  # type: ignore[call-overload]
+        stream = container.add_stream(codec, rate=rate_hz, layout="stereo")
+        assert isinstance(stream, av.audio.stream.AudioStream)
         frame_samples = 960
         for start in range(0, stereo.shape[1], frame_samples):
             piece = np.ascontiguousarray(stereo[:, start : start + frame_samples])
