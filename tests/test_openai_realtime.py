@@ -234,6 +234,30 @@ async def test_livekits_openai_plugin_transcribes_in_realtime_mode(
     assert wer(reference(manifest, CLIP), text) <= MAX_WER_CLIP, text
 
 
+@pytest.mark.asyncio(loop_scope="session")
+async def test_livekits_openai_plugin_recognizes_an_utterance_by_the_rest_api(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    """livekit-plugins-openai's ``STT()`` as an agent gets it (``use_realtime=False``, the
+    default): ``recognize()`` sends the buffered utterance as one WAV to ``POST
+    /v1/audio/transcriptions`` through the ``openai`` client, base URL the only change."""
+    clip = load_clip(speech_dir / CLIP)
+    step = SAMPLE_RATE_HZ // 10
+    buffer = []
+    for k in range(0, clip.shape[0], step):
+        frame = pcm_s16le_bytes(clip[k : k + step])
+        buffer.append(rtc.AudioFrame(frame, SAMPLE_RATE_HZ, 1, len(frame) // 2))
+    plugin = lk_openai.STT(
+        model="gpt-4o-transcribe", base_url=http_base(server_url) + "/v1", api_key="unused"
+    )
+    event = await asyncio.wait_for(plugin.recognize(buffer, language="en"), WAIT_S)
+    await plugin.aclose()
+    assert event.type == lk_stt.SpeechEventType.FINAL_TRANSCRIPT
+    [alternative] = event.alternatives
+    assert alternative.language == "en"
+    assert wer(reference(manifest, CLIP), alternative.text) <= MAX_WER_CLIP, alternative.text
+
+
 # --------------------------------------------------------------------------- protocol edges
 
 
