@@ -28,3 +28,7 @@ test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 # lightning-whisper-mlx goes in a second, --no-deps step: its metadata pins torch,
 # tiktoken==0.3.3, numba, scipy and huggingface-hub, none of which we run (README explains).
 "$VENV/bin/python" -m pip install -q --no-deps 'lightning-whisper-mlx==0.0.10'
+# resemblyzer (the speaker encoder behind --speakers) likewise: its metadata requires torch,
+# librosa and scipy; we read only its trained weights, pretrained.pt, without torch
+# (server/speakers/weights.py), and run the network in numpy.
+"$VENV/bin/python" -m pip install -q --no-deps 'resemblyzer==0.1.4'

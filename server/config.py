@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from server.core.policy import CommitConfig
+from server.core.speakers import SpeakerConfig
 from server.protocol.formats import TASKS
 
 
@@ -101,6 +102,7 @@ class StreamingConfig:
     max_frame_bytes: int = 1 << 20
     commit: CommitConfig = field(default_factory=CommitConfig)  # when a word becomes final
     detection: LanguageConfig = field(default_factory=LanguageConfig)  # with language None
+    speakers: SpeakerConfig = field(default_factory=SpeakerConfig)  # who is speaking (--speakers)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:

@@ -150,8 +150,10 @@ LAYERS_BELOW: dict[str, set[str]] = {
     "core": {"protocol"},
     "engine": {"protocol", "core"},
     "decode": {"protocol", "core"},
+    # The speaker encoder (numpy); the core plans its windows through core.speakers' Protocol.
+    "speakers": {"protocol", "core"},
     "apis": {"protocol", "core", "decode"},
-    "serve": {"protocol", "core", "decode", "apis", "engine"},
+    "serve": {"protocol", "core", "decode", "apis", "engine", "speakers"},
     # Every layer's frozen options; CommitConfig is the commit policy's own.
     "config": {"protocol", "core"},
     "metrics": set(),

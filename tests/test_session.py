@@ -36,6 +36,7 @@ from server.core.session import (
     Settled,
     StreamSettings,
 )
+from server.core.speakers import SpeakerConfig
 from server.protocol.audio import pcm_s16le_bytes
 from server.protocol.errors import (
     AudioFormatError,
@@ -1089,3 +1090,67 @@ def test_a_flush_with_no_speech_open_is_settled_at_once() -> None:
     assert session.events_to_send() == [Settled(audio_received_s=1.0)]
     session.flush()  # each flush is answered
     assert session.events_to_send() == [Settled(audio_received_s=1.0)]
+
+
+def _stream_with_speakers(session: Session, audio: np.ndarray) -> list[object]:
+    """Feed ``audio`` in 100 ms frames through ``session`` with the scripted engine and the
+    real speaker encoder, running each job as soon as it is asked for; all events."""
+    from server.speakers.encoder import SpeakerEncoder
+
+    engine = ScriptedEngine()
+    encoder = SpeakerEncoder.load()
+    events: list[object] = []
+
+    def pump() -> None:
+        while True:
+            embed = session.next_speaker_job()
+            if embed is not None:
+                session.receive_embeddings(
+                    embed, encoder.embed_windows(embed.audio, list(embed.starts))
+                )
+            job = session.next_job()
+            if job is not None:
+                session.receive_result(job, _scripted_decode(engine, job))
+            events.extend(session.events_to_send())
+            if embed is None and job is None:
+                return
+
+    for frame in range(0, audio.size, 1600):
+        session.feed_audio(pcm_s16le_bytes(audio[frame : frame + 1600]))
+        pump()
+    session.end()
+    pump()
+    return events
+
+
+def test_speaker_labels_on_finals_and_words(speech_dir: Path) -> None:
+    """Two readers with a pause between them: the first one's words are S0, the second's S1;
+    every final waits for its labels and none is lost (order kept, done last)."""
+    a = load_clip(speech_dir / "librispeech_test-other/367-130732-0002.wav")
+    b = load_clip(speech_dir / "ljspeech/LJ001-0003.wav")
+    gap = np.zeros(16_000, np.float32)
+    audio = np.concatenate([gap, a, gap, b, gap])
+    streaming = StreamingConfig(speakers=SpeakerConfig(enabled=True))
+    session = Session("spk", streaming=streaming)
+    assert session.labels_speakers
+    events = _stream_with_speakers(session, audio)
+    finals = [e for e in events if isinstance(e, FinalMessage)]
+    assert finals and isinstance(events[-1], DoneMessage) and session.done
+    assert [f.segment_id for f in finals] == list(range(len(finals)))
+    boundary = (gap.size + a.size + gap.size // 2) / SAMPLE_RATE_HZ
+    for final in finals:
+        for word in final.words:
+            expected = 0 if word.end <= boundary else 1
+            assert word.speaker == expected, (word, boundary)
+            assert word.speaker_confidence is not None and 0 <= word.speaker_confidence <= 1
+        assert final.speaker == final.words[0].speaker
+
+
+def test_speaker_labels_are_off_unless_the_server_has_them() -> None:
+    session = Session("spk")
+    assert not session.labels_speakers and session.next_speaker_job() is None
+    with pytest.raises(ProtocolError, match="--speakers"):
+        session.configure(StreamSettings(speakers=True))
+    on = Session("spk", streaming=StreamingConfig(speakers=SpeakerConfig(enabled=True)))
+    on.configure(StreamSettings(speakers=False))
+    assert not on.labels_speakers

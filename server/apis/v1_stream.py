@@ -29,7 +29,7 @@ from server.protocol.messages import (
 )
 
 STREAM_PATH = "/v1/stream"
-QUERY_FIELDS = ("sample_rate", "encoding", "language", "task", "end_of_speech_ms")
+QUERY_FIELDS = ("sample_rate", "encoding", "language", "task", "end_of_speech_ms", "speakers")
 
 
 class StreamControls(Protocol):
@@ -60,6 +60,7 @@ def settings_from_config(message: ConfigMessage, current: StreamSettings) -> Str
         end_of_speech_ms=current.end_of_speech_ms
         if message.end_of_speech_ms is None
         else message.end_of_speech_ms,
+        speakers=current.speakers if message.speakers is None else message.speakers,
     )
 
 
@@ -102,6 +103,13 @@ class V1Adapter:
                         close_code=1008,
                     )
                 fields[key] = int(value)
+            elif key == "speakers":
+                if value not in ("true", "false"):
+                    raise ProtocolError(
+                        f"query parameter 'speakers' must be true or false; got {value[:20]!r}",
+                        close_code=1008,
+                    )
+                fields[key] = value == "true"
             else:
                 fields[key] = value
         if fields:

@@ -41,6 +41,7 @@ from server.core.buffer import SampleBuffer
 from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
 from server.core.language import LanguageTracker
 from server.core.policy import CommitConfig, CommitPolicy
+from server.core.speakers import EmbedJob, SpeakerLabel, SpeakerTracker
 from server.core.vad import SpeechEnded, SpeechStarted, VadSegmenter
 from server.protocol.audio import PcmDecoder
 from server.protocol.errors import ProtocolError
@@ -84,6 +85,8 @@ class StreamSettings:
     end_of_speech_ms: int | None = None
     speech_pad_ms: int | None = None  # audio kept before an onset, 0-1000; None: the server's
     vad_aggressiveness: int | None = None  # webrtcvad's mode 0-3; None: the server's
+    # Speaker labels on finals and words; None: the server's (StreamingConfig.speakers).
+    speakers: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,14 @@ class Settled:
 
 
 SessionEvent = ServerMessage | Settled
+
+
+@dataclass(frozen=True)
+class _Unlabelled:
+    """A final waiting for its words' speakers (``SpeakerTracker.covered``); it and every
+    event after it stay in the session until then, so the order is kept."""
+
+    final: FinalMessage
 
 
 @dataclass(frozen=True)
@@ -171,8 +182,11 @@ class Session:
             self._settings.audio_format, max_frame_bytes=self.streaming.max_frame_bytes
         )
         self._vad = VadSegmenter(self.vad_config)
+        self._speakers: SpeakerTracker | None = self._tracker()
         self._buffer = SampleBuffer()
-        self._events: list[SessionEvent] = []
+        self._events: list[SessionEvent | _Unlabelled] = []
+        self._embedding: EmbedJob | None = None  # the speaker encoder's job in flight
+        self._next_embed_id = 0
         self._utterances: deque[_Utterance] = deque()
         self._prompt: list[int] = []
         self._prompt_ok = True
@@ -199,7 +213,12 @@ class Session:
     @property
     def done(self) -> bool:
         """True once ``end`` was processed, every word finalised and ``done`` emitted."""
-        return self._done
+        return self._done and not any(isinstance(e, _Unlabelled) for e in self._events)
+
+    @property
+    def labels_speakers(self) -> bool:
+        """Whether this stream's finals carry speaker labels (``configure``)."""
+        return self._speakers is not None
 
     @property
     def ended(self) -> bool:
@@ -259,6 +278,10 @@ class Session:
             raise ProtocolError(f"speech_pad_ms must be 0 to {MAX_SPEECH_PAD_MS}")
         if settings.vad_aggressiveness not in (None, 0, 1, 2, 3):
             raise ProtocolError("vad_aggressiveness must be 0, 1, 2 or 3")
+        if settings.speakers and not self.streaming.speakers.enabled:
+            raise ProtocolError(
+                "speaker labels are off on this server (whisperwire-server --speakers)"
+            )
         if self.multilingual:
             return settings
         if settings.language not in (None, "en"):
@@ -290,6 +313,13 @@ class Session:
             aggressiveness=_or(chosen.vad_aggressiveness, self._server_vad.aggressiveness),
         )
         self._vad = VadSegmenter(self.vad_config)
+        self._speakers = self._tracker()
+
+    def _tracker(self) -> SpeakerTracker | None:
+        wanted = self._settings.speakers
+        if wanted is None:
+            wanted = self.streaming.speakers.enabled
+        return SpeakerTracker(self.streaming.speakers) if wanted else None
 
     def feed_audio(self, data: bytes) -> None:
         """Accept audio bytes in the stream's format. Raises a StreamError subclass."""
@@ -335,6 +365,8 @@ class Session:
         if isinstance(event, SpeechStarted):
             start = max(event.start_sample, self._buffer.start)
             self._utterances.append(self._new_utterance(start))
+            if self._speakers is not None:
+                self._speakers.open_utterance(start)
             self._events.append(SpeechStartedMessage(start / SAMPLE_RATE_HZ, now_s))
         else:
             self._events.append(SpeechEndedMessage(event.end_sample / SAMPLE_RATE_HZ, now_s))
@@ -364,15 +396,57 @@ class Session:
             utt = self._utterances[-1]
             utt.end = max(end, utt.window_start)
             self._speech_samples += utt.end - utt.start
+            if self._speakers is not None:
+                self._speakers.close_utterance(utt.end)
             if reopen:
                 self._utterances.append(self._new_utterance(end))
+                if self._speakers is not None:
+                    self._speakers.open_utterance(end)
 
     def _trim(self) -> None:
         if self._utterances:
             keep_from = self._utterances[0].window_start
         else:
             keep_from = self._buffer.end - int(IDLE_KEEP_S * SAMPLE_RATE_HZ)
+        if self._speakers is not None:
+            needed = self._speakers.keep_from()
+            if needed is not None:
+                keep_from = min(keep_from, needed)
         self._buffer.trim(keep_from)
+
+    # -- speaker jobs ----------------------------------------------------------------------
+    def next_speaker_job(self) -> EmbedJob | None:
+        """The next windows for the speaker encoder (``SpeakerEmbedder``), or None: none due,
+        one in flight, or no speaker labels on this stream."""
+        if self._speakers is None or self._embedding is not None:
+            return None
+        planned = self._speakers.plan(self._buffer.end)
+        if planned is None:
+            return None
+        start, end, starts = planned
+        start = max(start, self._buffer.start)
+        job = EmbedJob(
+            session_id=self.session_id,
+            job_id=self._next_embed_id,
+            audio=self._buffer.slice(start, min(end, self._buffer.end)),
+            start=start,
+            starts=tuple(s - start for s in starts),
+        )
+        self._next_embed_id += 1
+        self._embedding = job
+        self._trim()
+        return job
+
+    def receive_embeddings(self, job: EmbedJob, vectors: Float32Array | None) -> None:
+        """The speaker encoder's vectors for ``job``'s windows, in order; None: it failed
+        (those windows teach nothing, and the words under them take what is known)."""
+        if self._speakers is None or job is not self._embedding:
+            self.log.warning("embeddings for unknown job %d ignored", job.job_id)
+            return
+        self._embedding = None
+        if vectors is None:
+            self.log.warning("speaker encoder failed for job %d", job.job_id)
+        self._speakers.receive([job.start + s for s in job.starts], vectors)
 
     # -- decode jobs ---------------------------------------------------------------------
     def next_job(self, *, min_hop_s: float = 0.0, crowded: bool = False) -> DecodeJob | None:
@@ -657,21 +731,18 @@ class Session:
         if not text:
             return
         language, probability = self._language_fields(utt)
-        self._events.append(
-            FinalMessage(
-                segment_id=self._next_segment_id,
-                text=text,
-                start=words[0].start_s,
-                end=words[-1].end_s,
-                words=tuple(
-                    WordInfo(w.text.strip(), w.start_s, w.end_s, w.probability) for w in words
-                ),
-                audio_received_s=self.audio_received_s,
-                lag_s=self.lag_s,
-                language=language,
-                language_probability=probability,
-            )
+        final = FinalMessage(
+            segment_id=self._next_segment_id,
+            text=text,
+            start=words[0].start_s,
+            end=words[-1].end_s,
+            words=tuple(WordInfo(w.text.strip(), w.start_s, w.end_s, w.probability) for w in words),
+            audio_received_s=self.audio_received_s,
+            lag_s=self.lag_s,
+            language=language,
+            language_probability=probability,
         )
+        self._events.append(final if self._speakers is None else _Unlabelled(final))
         self._next_segment_id += 1
         self._last_partial = None
 
@@ -896,9 +967,46 @@ class Session:
 
     # -- output --------------------------------------------------------------------------
     def events_to_send(self) -> list[SessionEvent]:
-        """Messages produced since the last call, in order."""
-        events, self._events = self._events, []
-        return events
+        """Messages produced since the last call, in order. With speaker labels, a final
+        waits (and what follows it) until its words' speakers are known."""
+        ready: list[SessionEvent] = []
+        for k, event in enumerate(self._events):
+            if isinstance(event, _Unlabelled):
+                labelled = self._labelled(event.final)
+                if labelled is None:
+                    self._events = self._events[k:]
+                    return ready
+                event = labelled
+            ready.append(event)
+        self._events = []
+        return ready
+
+    def _labelled(self, final: FinalMessage) -> FinalMessage | None:
+        """``final`` with each word's speaker, or None while a word cannot be labelled yet."""
+        tracker = self._speakers
+        if tracker is None:
+            return final
+        waiting = not all(tracker.covered(round(w.end * SAMPLE_RATE_HZ)) for w in final.words)
+        # After the end, once every window was heard, nothing more can be learnt.
+        if waiting and not (self._ended and self._embedding is None and tracker.all_planned):
+            return None
+        labels: list[SpeakerLabel | None] = [
+            tracker.label(round((w.start + w.end) / 2 * SAMPLE_RATE_HZ)) for w in final.words
+        ]
+        words = tuple(
+            w
+            if label is None
+            else dataclasses.replace(
+                w, speaker=label.speaker, speaker_confidence=round(label.confidence, 3)
+            )
+            for w, label in zip(final.words, labels, strict=True)
+        )
+        spoken: dict[int, float] = {}
+        for w, label in zip(final.words, labels, strict=True):
+            if label is not None:
+                spoken[label.speaker] = spoken.get(label.speaker, 0.0) + max(w.end - w.start, 0.01)
+        speaker = max(spoken, key=lambda k: spoken[k]) if spoken else None
+        return dataclasses.replace(final, words=words, speaker=speaker)
 
 
 def nearest_end_of_speech_ms(ms: int) -> int:

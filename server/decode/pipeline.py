@@ -59,6 +59,7 @@ import numpy.typing as npt
 from server.config import PipelineConfig
 from server.core.engine_api import DecodeRequest, DecodeResult, SpeechEngine, Window
 from server.core.session import DecodeJob
+from server.core.speakers import EmbedJob, SpeakerEmbedder
 from server.decode.capacity import CapacityModel
 from server.decode.lanes import EngineCall, LaneLost, ProcessLane, ThreadLane
 from server.decode.lanes import settle_future as _settle
@@ -161,6 +162,9 @@ class Pipeline:
         self._features_pool = ThreadPoolExecutor(
             max_workers=self.config.feature_workers, thread_name_prefix="whisperwire-features"
         )
+        # The speaker encoder, when the server labels speakers (``--speakers``); its windows
+        # run in the feature threads: numpy, which releases the GIL, and small beside a decode.
+        self.speakers: SpeakerEmbedder | None = None
         # (job.created_at, sequence, request): the stalest window is at the top.
         self._heap: list[tuple[float, int, _QueuedJob]] = []
         self._sequence = itertools.count()
@@ -378,6 +382,16 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         mel = await loop.run_in_executor(self._features_pool, engine.features, job.audio)
         return Window(mel, job.request)
+
+    async def embed(self, job: EmbedJob) -> Float32Array:
+        """A speaker job's d-vectors, computed in the feature thread pool. Raises
+        RuntimeError when the server has no speaker encoder."""
+        if self.speakers is None:
+            raise RuntimeError("this server has no speaker encoder (--speakers)")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._features_pool, self.speakers.embed_windows, job.audio, list(job.starts)
+        )
 
     async def enqueue(
         self,

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from server.core.session import DecodeJob, Session, SessionEvent, StreamSettings
+from server.core.speakers import EmbedJob
 from server.decode.pipeline import Pipeline
 from server.protocol.messages import ErrorMessage, ServerMessage
 
@@ -59,6 +60,7 @@ class StreamDriver:
         self.outcome: asyncio.Future[DriverOutcome] = loop.create_future()
         self.log = logging.LoggerAdapter(logger, {"session_id": session.session_id})
         self._decoding: asyncio.Task[None] | None = None
+        self._embedding: asyncio.Task[None] | None = None
         self._closed = False
         self._overflowed = False
         self._first_audio_at: float | None = None  # time.monotonic() of the first audio
@@ -111,10 +113,11 @@ class StreamDriver:
         decode in flight and stop producing messages."""
         self._closed = True
         self._unregister()
-        task = self._decoding
-        if task is not None:
+        tasks = {t for t in (self._decoding, self._embedding) if t is not None}
+        for task in tasks:
             task.cancel()
-            await asyncio.wait({task})
+        if tasks:
+            await asyncio.wait(tasks)
 
     # -- the job loop ----------------------------------------------------------------------
     def _advance(self) -> None:
@@ -132,6 +135,13 @@ class StreamDriver:
             # Asking for a job can emit messages too: finals of a forced cut, or done when
             # only an empty utterance was left.
             self._flush()
+        if self._embedding is None:
+            embed_job = self.session.next_speaker_job()
+            if embed_job is not None:
+                self._embedding = asyncio.create_task(
+                    self._embed(embed_job),
+                    name=f"speakers-{self.session.session_id}-{embed_job.job_id}",
+                )
         if self.session.done:
             self._finish(DriverOutcome.DONE)
 
@@ -178,6 +188,25 @@ class StreamDriver:
             # A bug in the session: hand it to the connection, whose catch-all logs it and
             # closes with 1011. Other sessions are not affected.
             self._decoding = None
+            if not self.outcome.done():
+                self.outcome.set_exception(exc)
+
+    async def _embed(self, job: EmbedJob) -> None:
+        """The speaker encoder over ``job``'s windows, off the event loop (``Pipeline.embed``);
+        the session's held finals go out once their words are labelled."""
+        try:
+            try:
+                vectors = await self.pipeline.embed(job)
+            except (ArithmeticError, ValueError, MemoryError, RuntimeError) as exc:
+                # The encoder failed on this audio: the words take what is known already.
+                self.log.warning("speaker embedding of job %d failed: %s", job.job_id, exc)
+                vectors = None
+            self.session.receive_embeddings(job, vectors)
+            self._embedding = None
+            self._advance()
+        except Exception as exc:
+            # A bug in the session, as in ``_decode``.
+            self._embedding = None
             if not self.outcome.done():
                 self.outcome.set_exception(exc)
 

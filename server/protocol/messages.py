@@ -54,10 +54,13 @@ class ConfigMessage:
     language: str | None = None
     task: str | None = None
     end_of_speech_ms: int | None = None  # the silence that ends an utterance, for this stream
+    speakers: bool | None = None  # speaker labels on finals and words (servers with --speakers)
 
     def to_json(self) -> str:
         """Compact JSON with only the fields that were given."""
         obj: dict[str, object] = {"type": "config"}
+        if self.speakers is not None:
+            obj["speakers"] = self.speakers
         if self.end_of_speech_ms is not None:
             obj["end_of_speech_ms"] = self.end_of_speech_ms
         if self.sample_rate_hz is not None:
@@ -216,15 +219,24 @@ class WordInfo:
     start: float
     end: float
     probability: float
+    # Sessions with speaker labels: who said it (0, 1, ... in order of appearance) and the
+    # cosine similarity of that stretch's voice to the speaker's, in [0, 1].
+    speaker: int | None = None
+    speaker_confidence: float | None = None
 
     def to_obj(self) -> dict[str, object]:
         """The JSON object of this word (floats rounded to milliseconds)."""
-        return {
+        obj: dict[str, object] = {
             "word": self.word,
             "start": _ms(self.start),
             "end": _ms(self.end),
             "probability": _ms(self.probability),
         }
+        if self.speaker is not None:
+            obj["speaker"] = self.speaker
+        if self.speaker_confidence is not None:
+            obj["speaker_confidence"] = _ms(self.speaker_confidence)
+        return obj
 
 
 @dataclass(frozen=True)
@@ -245,25 +257,30 @@ class FinalMessage:
     # says the speaker switched.
     language: str | None = None
     language_probability: float | None = None
+    # Sessions with speaker labels: the speaker of most of its words (each word has its own).
+    speaker: int | None = None
 
     def to_json(self) -> str:
         """Compact JSON, floats rounded to milliseconds."""
         return _dumps(
-            _with_language(
-                _with_optional(
-                    {
-                        "type": "final",
-                        "segment_id": self.segment_id,
-                        "text": self.text,
-                        "start": _ms(self.start),
-                        "end": _ms(self.end),
-                        "words": [w.to_obj() for w in self.words],
-                        "audio_received_s": _ms(self.audio_received_s),
-                    },
-                    lag_s=self.lag_s,
+            _with_speaker(
+                _with_language(
+                    _with_optional(
+                        {
+                            "type": "final",
+                            "segment_id": self.segment_id,
+                            "text": self.text,
+                            "start": _ms(self.start),
+                            "end": _ms(self.end),
+                            "words": [w.to_obj() for w in self.words],
+                            "audio_received_s": _ms(self.audio_received_s),
+                        },
+                        lag_s=self.lag_s,
+                    ),
+                    self.language,
+                    self.language_probability,
                 ),
-                self.language,
-                self.language_probability,
+                self.speaker,
             )
         )
 
@@ -358,6 +375,7 @@ def parse_client_message(text: str) -> ClientMessage:
             language=_parse_language(fields),
             task=_check_choice(fields.opt_str("task"), "task", TASKS),
             end_of_speech_ms=fields.opt_int("end_of_speech_ms"),
+            speakers=fields.opt_bool("speakers") if "speakers" in obj else None,
         )
     elif kind == "flush":
         message = FlushMessage()
@@ -451,6 +469,8 @@ def _parse_final(f: _Fields) -> FinalMessage:
                 start=w.float_("start"),
                 end=w.float_("end"),
                 probability=w.float_("probability"),
+                speaker=w.opt_int("speaker"),
+                speaker_confidence=w.opt_float("speaker_confidence"),
             )
         )
     return FinalMessage(
@@ -463,6 +483,7 @@ def _parse_final(f: _Fields) -> FinalMessage:
         lag_s=f.opt_float("lag_s"),
         language=f.opt_str("language"),
         language_probability=f.opt_float("language_probability"),
+        speaker=f.opt_int("speaker"),
     )
 
 
@@ -706,6 +727,12 @@ def _ms(seconds: float) -> float:
 def _with_optional(obj: dict[str, object], **seconds: float | None) -> dict[str, object]:
     """``obj`` with the fields of ``seconds`` that are set, rounded to milliseconds."""
     obj.update({name: _ms(value) for name, value in seconds.items() if value is not None})
+    return obj
+
+
+def _with_speaker(obj: dict[str, object], speaker: int | None) -> dict[str, object]:
+    if speaker is not None:
+        obj["speaker"] = speaker
     return obj
 
 

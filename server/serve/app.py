@@ -86,6 +86,10 @@ class WhisperwireServer:
         self.metrics = Metrics()
         self.pipeline = Pipeline(pipeline, metrics=self.metrics)
         self.streaming = streaming or StreamingConfig()
+        if self.streaming.speakers.enabled:
+            from server.speakers.encoder import SpeakerEncoder  # numpy only; 0.1 s to load
+
+            self.pipeline.speakers = SpeakerEncoder.load()
         self.vad = vad or VadConfig()
         self._load_engine = load_engine
         self.rest = RestApp(self)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from server.config import PipelineConfig, ServerConfig, StreamingConfig
 from server.core.policy import CommitConfig
+from server.core.speakers import SpeakerConfig
 from server.engine.store import DEFAULT_MODEL, available_models
 from server.protocol.errors import ModelError
 
@@ -130,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=StreamingConfig().closing_beam_size,
         help="beam width of the decode that commits the rest of an utterance when it ends, "
         "while every stream has a decode lane; 1: greedy (default %(default)s)",
+    )
+    streaming.add_argument(
+        "--speakers",
+        action="store_true",
+        help="label who is speaking on finals and words (resemblyzer's speaker encoder, no "
+        "PyTorch); every v1 stream gets labels unless its config says speakers: false, "
+        "Deepgram streams with diarize=true",
     )
 
     limits = parser.add_argument_group("limits and security")
@@ -261,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         streaming = StreamingConfig(
             closing_beam_size=args.closing_beam_size,
             commit=CommitConfig(min_right_context_s=args.min_right_context_s),
+            speakers=SpeakerConfig(enabled=args.speakers),
         )
         pipeline = PipelineConfig(
             decode_lanes=args.decode_lanes or 1,
@@ -282,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         if path is not None and not os.access(path, os.R_OK):
             return _fail(f"cannot read {flag} {path}: no such file or no permission")
     _configure_logging(args.log_level)
+    if args.speakers:
+        from server.speakers.weights import WeightsError, package_weights_path
+
+        try:
+            package_weights_path()
+        except WeightsError as exc:
+            return _fail(f"cannot label speakers: {exc}")
 
     # Imported here: the engine pulls in MLX, which --help does not need.
     from server.engine.engine import default_decode_lanes

@@ -1,0 +1,134 @@
+"""Online speaker assignment (server/core/speakers.py) with the real encoder on real voices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.corpus import load_clip
+from server.core.speakers import WINDOW_SAMPLES, SpeakerConfig, SpeakerTracker
+from server.speakers.encoder import SpeakerEncoder
+
+READER_A = "librispeech_test-other/367-130732-0002.wav"  # 11.3 s
+READER_A2 = "librispeech_test-other/367-130732-0003.wav"  # 15.0 s
+READER_B = "ljspeech/LJ001-0003.wav"  # 9.7 s
+
+
+@pytest.fixture(scope="module")
+def encoder() -> SpeakerEncoder:
+    return SpeakerEncoder.load()
+
+
+def run(tracker: SpeakerTracker, audio: np.ndarray, encoder: SpeakerEncoder) -> None:
+    while (plan := tracker.plan(audio.size)) is not None:
+        start, end, starts = plan
+        tracker.receive(
+            starts, encoder.embed_windows(audio[start:end], [s - start for s in starts])
+        )
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="threshold"):
+        SpeakerConfig(threshold=1.5)
+    with pytest.raises(ValueError, match="hop_ms"):
+        SpeakerConfig(hop_ms=2000)
+    with pytest.raises(ValueError, match="max_speakers"):
+        SpeakerConfig(max_speakers=0)
+
+
+def test_windows_cover_an_utterance_and_its_tail() -> None:
+    tracker = SpeakerTracker(SpeakerConfig(hop_ms=400))
+    tracker.open_utterance(0)
+    assert tracker.plan(WINDOW_SAMPLES - 1) is None
+    assert tracker.plan(WINDOW_SAMPLES) == (0, WINDOW_SAMPLES, [0])
+    tracker.close_utterance(42_000)
+    _, end, starts = tracker.plan(48_000) or (0, 0, [])
+    # Windows every 6400 samples while they fit, then one ending at the utterance's end
+    # (more than half a hop was left unheard).
+    assert starts == [6400, 12_800, 42_000 - WINDOW_SAMPLES]
+    assert end == 42_000 and tracker.plan(48_000) is None and tracker.all_planned
+
+
+def test_a_short_utterance_gets_one_window() -> None:
+    tracker = SpeakerTracker(SpeakerConfig())
+    tracker.open_utterance(1000)
+    tracker.close_utterance(9000)
+    assert tracker.plan(20_000) == (1000, 9000, [1000])
+
+
+def test_two_readers_get_two_speakers_and_one_reader_keeps_one(
+    speech_dir: Path, encoder: SpeakerEncoder
+) -> None:
+    gap = np.zeros(8000, np.float32)
+    a, b, a2 = (load_clip(speech_dir / f) for f in (READER_A, READER_B, READER_A2))
+    audio = np.concatenate([a, gap, b, gap, a2])
+    tracker = SpeakerTracker(SpeakerConfig())
+    bounds = []
+    at = 0
+    for clip in (a, b, a2):
+        tracker.open_utterance(at)
+        tracker.close_utterance(at + clip.size)
+        bounds.append((at, at + clip.size))
+        at += clip.size + gap.size
+    run(tracker, audio, encoder)
+    labels = [tracker.label((s + e) // 2) for s, e in bounds]
+    assert all(label is not None for label in labels)
+    speakers = [label.speaker for label in labels if label is not None]
+    assert speakers == [0, 1, 0], labels
+    assert tracker.speakers == 2
+
+
+def test_a_change_without_a_pause_splits_the_utterance(
+    speech_dir: Path, encoder: SpeakerEncoder
+) -> None:
+    """Two readers back to back in one VAD utterance: words on either side get their own."""
+    a, b = load_clip(speech_dir / READER_A), load_clip(speech_dir / READER_B)
+    audio = np.concatenate([a, b])
+    tracker = SpeakerTracker(SpeakerConfig())
+    tracker.open_utterance(0)
+    # The first reader is labelled while the utterance goes on (as a final asks).
+    run_to = a.size
+    while (plan := tracker.plan(run_to)) is not None:
+        start, end, starts = plan
+        tracker.receive(
+            starts, encoder.embed_windows(audio[start:end], [s - start for s in starts])
+        )
+    assert tracker.covered(a.size // 2)
+    first = tracker.label(a.size // 2)
+    tracker.close_utterance(audio.size)
+    run(tracker, audio, encoder)
+    second = tracker.label(a.size + b.size // 2)
+    assert first is not None and second is not None
+    assert (first.speaker, second.speaker) == (0, 1)
+    # The change is placed within a window's length of where the voices meet.
+    change_labels = [
+        tracker.label(s) for s in range(a.size - WINDOW_SAMPLES, a.size + WINDOW_SAMPLES, 1600)
+    ]
+    flips = [k for k in range(1, len(change_labels)) if change_labels[k] != change_labels[k - 1]]
+    assert flips, "no change found around the meeting point"
+
+
+def test_max_speakers_bounds_the_speakers(speech_dir: Path, encoder: SpeakerEncoder) -> None:
+    a, b = load_clip(speech_dir / READER_A), load_clip(speech_dir / READER_B)
+    tracker = SpeakerTracker(SpeakerConfig(max_speakers=1))
+    tracker.open_utterance(0)
+    tracker.close_utterance(a.size)
+    tracker.open_utterance(a.size)
+    tracker.close_utterance(a.size + b.size)
+    run(tracker, np.concatenate([a, b]), encoder)
+    assert tracker.label(a.size // 2) is not None
+    label = tracker.label(a.size + b.size // 2)
+    assert label is not None and label.speaker == 0 and tracker.speakers == 1
+
+
+def test_words_wait_until_their_windows_are_in(speech_dir: Path, encoder: SpeakerEncoder) -> None:
+    a = load_clip(speech_dir / READER_A)
+    tracker = SpeakerTracker(SpeakerConfig(label_delay_ms=1000))
+    tracker.open_utterance(0)
+    assert not tracker.covered(8000)
+    run(tracker, a[:32_000], encoder)  # 2 s: one window, too little to decide
+    assert not tracker.covered(8000)
+    run(tracker, a, encoder)
+    assert tracker.covered(8000)
