@@ -337,13 +337,6 @@ async def results_until_speech_final(ws: ClientConnection) -> list[dict[str, Any
     return results
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server bug: a Finalize that finds every utterance settled already (Pipecat sends "
-    "one at each stop of its VAD, which can come after the server's own end of speech) leaves "
-    "DeepgramAdapter._closed_by_finalize set, so the next utterance's finals are held until its "
-    "end and come flagged from_finalize",
-)
 async def test_a_finalize_after_the_speech_settled_leaves_the_next_utterance_as_it_was(
     speech_dir: Path,
 ) -> None:

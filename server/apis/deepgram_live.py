@@ -270,8 +270,10 @@ class DeepgramAdapter:
         if kind == "KeepAlive":
             return  # the frame itself keeps the session from its idle timeout
         if kind == "Finalize":
-            driver.flush()
+            # Marked before the flush: with nothing pending, the flush settles at once, and
+            # that Settled must answer this Finalize, not leave its mark on the next speech.
             driver.send(_Finalize(audio_received_s=driver.session.audio_received_s))
+            driver.flush()
         elif kind == "CloseStream":
             driver.end()
         else:

@@ -30,6 +30,7 @@ from server.serve.routes import response
 logger = logging.getLogger("server.serve.http_front")
 
 MAX_HEAD_BYTES = 16 * 1024  # request line and headers; websockets' own limits are alike
+LINGER_S = 2.0  # after refusing a request, how long its unread body may still arrive
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,7 @@ class _Exchange:
         self._writable = asyncio.get_running_loop().create_future()
         self._writable.set_result(None)
         self._done = False
+        self._linger: asyncio.TimerHandle | None = None
 
     # -- reading ---------------------------------------------------------------------------
     def receive(self, data: bytes) -> None:
@@ -234,12 +236,19 @@ class _Exchange:
         )
 
     def _answer_now(self, resp: Response) -> None:
-        # A refusal before the body is read: the client may still be sending it, and the
-        # connection closes after the answer.
+        # A refusal before the body is read: the client may still be sending it. Closing at
+        # once would reset the connection (unread data) and could destroy the answer on its
+        # way; so the answer goes out, our side half-closes, and what still arrives is read
+        # and dropped until the client closes too or LINGER_S has passed.
         self._done = True
         if self._h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             self._transport.write(_serialize(resp))
-        self._transport.close()
+        if not self._transport.can_write_eof():
+            self._transport.close()
+            return
+        self._transport.write_eof()
+        loop = asyncio.get_running_loop()
+        self._linger = loop.call_later(LINGER_S, self._transport.close)
 
     async def _handle(self, request: HttpRequest) -> None:
         try:
@@ -278,6 +287,8 @@ class _Exchange:
     def lost(self) -> None:
         """The client went away: stop whatever is being done for it."""
         self._done = True
+        if self._linger is not None:
+            self._linger.cancel()
         self.resume_writing()
         if self._task is not None and not self._task.done():
             self._task.cancel()
