@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # carry more than two workers. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 3
 
-.PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-beam bench-streaming bench-capacity clean
+.PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-beam bench-streaming bench-capacity bench-speakers clean
 .PHONY: peer bench-latency bench-accuracy tmux
 
 install: $(STAMP)
@@ -75,6 +75,11 @@ bench-beam: $(STAMP)
 
 bench-streaming: $(STAMP)
 	$(PY) -m bench.streaming
+
+# Who is speaking: conversations of 2-4 shared readers and one-reader sessions through the VAD,
+# the speaker tracker and the numpy encoder; DER (0.25 s collar) and right-speaker share.
+bench-speakers: $(STAMP)
+	$(PY) -m bench.speakers $(BENCH_SPEAKERS_ARGS)
 
 # 16 clients x 5 min and one 60-min stream against the real server (about an hour);
 # SOAK_ARGS=--quick for a two-minute smoke run. Not part of `make bench`.
