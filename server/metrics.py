@@ -225,6 +225,15 @@ class Metrics:
         self.errors = Counter(
             "whisperwire_errors_total", "Error messages sent to clients, by code", ("code",)
         )
+        self.file_requests = Counter(
+            "whisperwire_file_requests_total",
+            "Uploaded recordings answered (POST /v1/audio/transcriptions, /v1/listen), by HTTP "
+            "status",
+            ("status",),
+        )
+        self.file_audio_s = Counter(
+            "whisperwire_file_audio_seconds_total", "Seconds of uploaded audio transcribed"
+        )
         self.capacity_streams = Gauge(
             "whisperwire_capacity_streams",
             "Streams the decode lanes are estimated to keep in real time (at most max_sessions)",
@@ -281,6 +290,8 @@ class Metrics:
             self.realtime_factor,
             self.stream_lag_s,
             self.errors,
+            self.file_requests,
+            self.file_audio_s,
             self.capacity_streams,
             self.capacity_headroom_streams,
             self.capacity_measured_streams,

@@ -559,3 +559,68 @@ async def test_a_lane_that_dies_while_idle_is_replaced(
         while pipeline.process_lanes[0] is child or pipeline.lanes != 2:
             await asyncio.sleep(0.05)
     assert pipeline.process_lanes[0].alive
+
+
+# --------------------------------------------------------------------------- file calls
+
+
+def file_call(audio_s: float) -> functools.partial[tuple[DecodeResult, float]]:
+    """An uploaded file's window, as file_transcription.py sends it: one background call."""
+    audio = np.zeros(round(audio_s * SAMPLE_RATE_HZ), dtype=np.float32)
+    request = DecodeRequest(audio_s, DecodeOptions())
+    return functools.partial(_transcribe_window, audio=audio, request=request)
+
+
+def _transcribe_window(
+    engine: Any,
+    audio: np.ndarray,
+    request: DecodeRequest,  # type: ignore[type-arg]
+) -> tuple[DecodeResult, float]:
+    result: tuple[DecodeResult, float] = engine.transcribe_window(audio, request, (0.0,))
+    return result
+
+
+async def test_a_streams_window_goes_before_a_file_window_that_waited_longer(
+    scripted: tuple[Pipeline, ScriptedEngine],
+) -> None:
+    pipeline, engine = scripted
+    first = await hold_worker(pipeline, engine)
+    upload = asyncio.ensure_future(pipeline.background(file_call(30.0)))
+    await asyncio.sleep(0.05)  # the file's window queued first
+    (live,) = await queue_jobs(pipeline, [make_job(2.0, created_at=1.0)])
+    engine.release.set()
+    await asyncio.wait_for(asyncio.gather(first, live, upload), WAIT_S)
+    assert engine.batches == [[0.5], [2.0], [30.0]]
+    result, temperature = upload.result()
+    assert temperature == 0.0 and result.text.split()[:2] == ["w0", "w1"]
+
+
+async def test_a_cancelled_file_call_is_never_decoded(
+    scripted: tuple[Pipeline, ScriptedEngine],
+) -> None:
+    pipeline, engine = scripted
+    first = await hold_worker(pipeline, engine)
+    upload = asyncio.ensure_future(pipeline.background(file_call(30.0)))
+    await asyncio.sleep(0.05)
+    assert pipeline.background_queued == 1
+    upload.cancel()
+    engine.release.set()
+    await asyncio.wait_for(first, WAIT_S)
+    (after,) = await queue_jobs(pipeline, [make_job(1.0, created_at=2.0)])
+    await asyncio.wait_for(after, WAIT_S)
+    assert engine.batches == [[0.5], [1.0]]
+    assert pipeline.background_queued == 0
+
+
+async def test_a_file_call_still_queued_at_close_fails() -> None:
+    engine = ScriptedEngine()
+    pipeline = Pipeline(PipelineConfig(batch_wait_ms=0.0))
+    await pipeline.start(lambda: engine)
+    first = await hold_worker(pipeline, engine)
+    upload = asyncio.ensure_future(pipeline.background(file_call(30.0)))
+    await asyncio.sleep(0.05)
+    engine.release.set()
+    await pipeline.close()
+    with pytest.raises(DecodeError, match="shutting down"):
+        await upload
+    first.cancel()

@@ -303,6 +303,8 @@ class WhisperwireServer:
                 )
                 self.abort_connections()
                 await self._ws_server.wait_closed()
+        # Uploads being answered finish too (new ones get 503 since the shutdown began).
+        await self.rest.wait_finished(self.config.shutdown_timeout_s)
         if self._loading is not None and not self._loading.done():
             # The load runs on the decode thread and cannot be interrupted; close() waits
             # for it to return.

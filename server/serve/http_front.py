@@ -117,10 +117,7 @@ class FrontProtocol(asyncio.Protocol):
             self._buffer.clear()
 
     def eof_received(self) -> bool:
-        if self._exchange is not None:
-            self._exchange.receive(b"")
-            return True  # keep the write side open for the answer
-        return False
+        return self._exchange is not None and self._exchange.eof()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
@@ -283,6 +280,16 @@ class _Exchange:
     def resume_writing(self) -> None:
         if not self._writable.done():
             self._writable.set_result(None)
+
+    def eof(self) -> bool:
+        """The client closed its side; True to keep ours open for an answer."""
+        if self._task is not None or self._done:
+            # HTTP/1.1 clients do not half-close while they wait for an answer: the client
+            # went away, and what is being done for it stops.
+            self.lost()
+            return False
+        self.receive(b"")  # a request cut short: h11 calls it malformed, answered with 400
+        return True
 
     def lost(self) -> None:
         """The client went away: stop whatever is being done for it."""

@@ -194,7 +194,8 @@ class RestApp:
             recording.duration_s,
             time.monotonic() - started,
         )
-        self._server.metrics.audio_received_s.inc(recording.duration_s)
+        self._server.metrics.file_audio_s.inc(recording.duration_s)
+        self._server.metrics.file_requests.inc(1, "200")
         if job.stream:
             await reply.chunk(route.api.render_done(job, done))
             await reply.finish()
@@ -218,7 +219,7 @@ class RestApp:
         param: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> Response:
-        self._server.metrics.errors.inc(1, f"http_{status.value}")
+        self._server.metrics.file_requests.inc(1, str(status.value))
         rendered = route.api.render_error(status, message, param)
         return response(status, rendered.body, rendered.content_type, headers=headers)
 
