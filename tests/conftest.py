@@ -40,7 +40,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 # Fixtures that load the real model or start a real server: a test that uses one is "heavy"
 # (``make check`` leaves those to ``make test``), as are the slow and browser ones.
-HEAVY_FIXTURES = frozenset({"engine", "base_engine", "offline_text", "server_url"})
+HEAVY_FIXTURES = frozenset(
+    {"engine", "base_engine", "offline_text", "server_url", "speakers_server_url"}
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -138,4 +140,21 @@ async def server_url(engine: Engine) -> AsyncIterator[str]:
     config = ServerConfig(host="127.0.0.1", port=0, max_sessions=16, capacity_limit=False)
     pipeline = PipelineConfig(max_batch_size=8, batch_wait_ms=5.0)
     async with WhisperwireServer(lambda: engine, server=config, pipeline=pipeline) as server:
+        yield server.url
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="session")
+async def speakers_server_url(engine: Engine) -> AsyncIterator[str]:
+    """As ``server_url``, started with ``--speakers`` (speaker labels for streams that ask,
+    v1 streams by default) and one decode lane of the same engine."""
+    from server.config import PipelineConfig, ServerConfig, StreamingConfig
+    from server.core.speakers import SpeakerConfig
+    from server.serve.app import WhisperwireServer
+
+    config = ServerConfig(host="127.0.0.1", port=0, max_sessions=16, capacity_limit=False)
+    pipeline = PipelineConfig(max_batch_size=8, batch_wait_ms=5.0)
+    streaming = StreamingConfig(speakers=SpeakerConfig(enabled=True))
+    async with WhisperwireServer(
+        lambda: engine, server=config, pipeline=pipeline, streaming=streaming
+    ) as server:
         yield server.url

@@ -329,3 +329,32 @@ def encode_audio(audio: Float32Array, suffix: str, rate_hz: int = 48_000) -> byt
         for packet in stream.encode(None):
             container.mux(packet)
     return buffer.getvalue()
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Two readers, one after the other: ``audio`` (16 kHz) and the time between their
+    turns (the middle of the pause, or the seam when they follow each other at once)."""
+
+    audio: Float32Array
+    boundary_s: float
+
+
+# Two readers of the shared recordings: LibriSpeech test-other 367 (a man, 11.3 s) and LJ
+# Speech (a woman, 9.7 s), which the speaker tracker's own tests tell apart.
+FIRST_READER = "librispeech_test-other/367-130732-0002.wav"
+SECOND_READER = "ljspeech/LJ001-0003.wav"
+
+
+def two_readers(speech_dir: Path, *, gap_s: float = 1.0) -> Conversation:
+    """``FIRST_READER`` then ``SECOND_READER``, ``gap_s`` apart, with 0.5 s of silence before
+    and 1 s after (for the VAD's end of speech)."""
+    from bench.corpus import load_clip
+
+    a = load_clip(speech_dir / FIRST_READER)
+    b = load_clip(speech_dir / SECOND_READER)
+    lead = np.zeros(SAMPLE_RATE_HZ // 2, np.float32)
+    gap = np.zeros(round(gap_s * SAMPLE_RATE_HZ), np.float32)
+    tail = np.zeros(SAMPLE_RATE_HZ, np.float32)
+    audio = np.concatenate([lead, a, gap, b, tail])
+    return Conversation(audio, (lead.size + a.size + gap.size / 2) / SAMPLE_RATE_HZ)

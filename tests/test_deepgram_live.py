@@ -35,10 +35,11 @@ from server.apis.adapters import SessionSettings
 from server.apis.deepgram_live import LISTEN_PATH, DeepgramAdapter, handshake_problem, parse_options
 from server.config import ServerConfig, StreamingConfig, VadConfig
 from server.core.session import END_OF_SPEECH_MS_RANGE
+from server.core.speakers import SpeakerConfig
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.protocol.messages import FinalMessage, WordInfo
 from server.serve.app import WhisperwireServer
-from tests.helpers import ScriptedEngine, pcm_frames
+from tests.helpers import ScriptedEngine, pcm_frames, two_readers
 
 WAIT_S = 120.0  # a bound for waits on the real model on a busy 2-core machine
 MAX_WER_CLIP = 0.35  # as tests/test_app.py: one short clip, streamed
@@ -188,6 +189,43 @@ async def test_livekits_deepgram_plugin_recognizes_an_utterance_by_the_prerecord
     assert 0 < alternative.confidence <= 1
 
 
+@pytest.mark.asyncio(loop_scope="session")  # the speakers_server_url fixture's loop
+async def test_diarize_labels_each_word_with_its_readers_speaker(
+    speakers_server_url: str, speech_dir: Path
+) -> None:
+    """The deepgram-sdk's client with ``diarize=true`` on a server with ``--speakers``: two
+    readers, a second apart; every final word has ``speaker`` (the first reader's 0, the
+    second's 1) and ``speaker_confidence``. Without ``diarize``, on the same server, no word
+    has a speaker (and the finals come: they do not wait for labels nobody sends)."""
+    client = AsyncDeepgramClient(api_key="unused", environment=environment(speakers_server_url))
+    talk = two_readers(speech_dir)
+
+    async def final_words(audio: np.ndarray, **options: str) -> list[Any]:
+        async with client.listen.v1.connect(
+            model="nova-3", encoding="linear16", sample_rate="16000", **options
+        ) as socket:
+            for frame in pcm_frames(audio):
+                await socket.send_media(frame)
+            await socket.send_close_stream()
+            messages = await asyncio.wait_for(_all(socket), WAIT_S)
+        assert messages[-1].type == "Metadata"
+        finals = [m for m in messages if m.type == "Results" and m.is_final]
+        return [w for r in finals for w in r.channel.alternatives[0].words]
+
+    words = await final_words(talk.audio, diarize="true", punctuate="true")
+    assert len(words) > 20
+    for w in words:
+        assert w.speaker == (0 if w.end <= talk.boundary_s else 1), (w, talk.boundary_s)
+        assert 0 <= w.speaker_confidence <= 1  # an extra field to the SDK's live word type
+    plain = await final_words(load_clip(speech_dir / CLIP))
+    assert plain and all(w.speaker is None for w in plain)
+    assert all("speaker_confidence" not in (w.model_extra or {}) for w in plain)
+
+
+async def _all(socket: Any) -> list[Any]:
+    return [message async for message in socket]
+
+
 # --------------------------------------------------------------------------- the options
 
 
@@ -248,7 +286,7 @@ def test_filler_words_are_left_out_unless_asked_for() -> None:
         ("encoding=linear16", "sample_rate"),
         ("encoding=linear16&sample_rate=96000", "sample_rate"),
         (f"{LINEAR16.replace('channels=1', 'channels=2')}", "channels=1"),
-        (f"{LINEAR16}&diarize=true", "diarize=true"),
+        (f"{LINEAR16}&diarize=true", "--speakers"),  # a server without speaker labels
         (f"{LINEAR16}&keywords=foo", "keywords"),
         (f"{LINEAR16}&utterance_end_ms=1000", "interim_results"),
         (f"{LINEAR16}&interim_results=true&utterance_end_ms=500", "at least 1000"),
@@ -260,6 +298,38 @@ def test_filler_words_are_left_out_unless_asked_for() -> None:
 def test_options_we_cannot_honour_are_refused(query: str, says: str) -> None:
     problem = handshake_problem(Request(f"{LISTEN_PATH}?{query}", Headers()))
     assert problem is not None and says in problem, problem
+
+
+def test_diarize_is_the_streams_speaker_option_and_needs_a_server_with_speakers() -> None:
+    on = StreamingConfig(speakers=SpeakerConfig(enabled=True))
+    settings = SessionSettings("s", on, VadConfig(), multilingual=False, model="m")
+    labelled = {}
+    for diarize in ("true", "false", None):
+        query = LINEAR16 if diarize is None else f"{LINEAR16}&diarize={diarize}"
+        request = Request(f"{LISTEN_PATH}?{query}", Headers())
+        assert handshake_problem(request, on) is None
+        session = DeepgramAdapter().open_session(settings, request)
+        labelled[diarize] = session.labels_speakers
+    # Absent or false: no labels, though the server labels v1 streams by default.
+    assert labelled == {"true": True, "false": False, None: False}
+    refused = handshake_problem(
+        Request(f"{LISTEN_PATH}?{LINEAR16}&diarize=true", Headers()), StreamingConfig()
+    )
+    assert refused is not None and "--speakers" in refused
+
+
+def test_words_carry_their_speaker_as_deepgram_renders_it() -> None:
+    adapter = DeepgramAdapter()
+    on = StreamingConfig(speakers=SpeakerConfig(enabled=True))
+    settings = SessionSettings("s", on, VadConfig(), multilingual=False, model="m")
+    adapter.open_session(settings, Request(f"{LISTEN_PATH}?{LINEAR16}&diarize=true", Headers()))
+    words = (WordInfo("Hello.", 0.0, 0.4, 0.9, 0, 0.875), WordInfo("Hi.", 0.6, 0.9, 0.8, 1, 0.5))
+    [frame] = adapter.render(FinalMessage(0, "Hello. Hi.", 0.0, 0.9, words, 2.0, speaker=0))
+    rendered = json.loads(frame)["channel"]["alternatives"][0]["words"]
+    assert [(w["word"], w["speaker"], w["speaker_confidence"]) for w in rendered] == [
+        ("hello", 0, 0.875),
+        ("hi", 1, 0.5),
+    ]
 
 
 def test_endpointing_sets_the_streams_end_of_speech_silence() -> None:
@@ -401,18 +471,20 @@ async def test_keep_alive_holds_off_the_idle_timeout() -> None:
 
 async def test_handshakes_take_a_token_key_and_refuse_bad_options_with_400() -> None:
     async with scripted_server(api_key="s3cret") as server:
-        for query, headers, status in [
-            (LINEAR16, {}, 401),
-            (LINEAR16, {"Authorization": "Token nope"}, 401),
-            ("encoding=mulaw&sample_rate=8000", {"Authorization": "Token s3cret"}, 400),
-            (LINEAR16, {"Authorization": "Token s3cret", "Origin": "https://x.example"}, 403),
+        key = {"Authorization": "Token s3cret"}
+        for query, headers, status, says in [
+            (LINEAR16, {}, 401, b""),
+            (LINEAR16, {"Authorization": "Token nope"}, 401, b""),
+            ("encoding=mulaw&sample_rate=8000", key, 400, b"encoding=mulaw is not supported"),
+            # This server labels no speakers (no --speakers).
+            (f"{LINEAR16}&diarize=true", key, 400, b"started without --speakers"),
+            (LINEAR16, {"Authorization": "Token s3cret", "Origin": "https://x.example"}, 403, b""),
         ]:
             with pytest.raises(InvalidStatus) as refused:
                 async with connect(listen_url(server, query), additional_headers=headers):
                     pass
             assert refused.value.response.status_code == status, query
-            if status == 400:  # the reason is in the body
-                assert b"encoding=mulaw is not supported" in refused.value.response.body
+            assert says in refused.value.response.body  # the reason is in the body
         client = AsyncDeepgramClient(api_key="s3cret", environment=environment(server.url))
         async with client.listen.v1.connect(
             model="nova-3", encoding="linear16", sample_rate="16000"
@@ -423,3 +495,28 @@ async def test_handshakes_take_a_token_key_and_refuse_bad_options_with_400() -> 
             async with client.listen.v1.connect(model="nova-3", encoding="opus"):
                 pass
         assert failed.value.status_code == 400
+
+
+async def test_a_full_server_refuses_the_sdks_connect_with_503_and_retry_after() -> None:
+    """The server carries one stream and the SDK holds it: the next ``listen.v1.connect``
+    raises the SDK's ``ApiError`` with status 503 (Deepgram's own word for "try later" at the
+    handshake, which a balancer replays elsewhere); the websockets error it wraps holds the
+    server's Retry-After and why. Once the first leaves, the next gets in."""
+    async with scripted_server(capacity_streams=1) as server:
+        client = AsyncDeepgramClient(api_key="unused", environment=environment(server.url))
+        options = {"model": "nova-3", "encoding": "linear16", "sample_rate": "16000"}
+        async with client.listen.v1.connect(**options) as first:
+            with pytest.raises(ApiError) as refused:
+                async with client.listen.v1.connect(**options):
+                    pass
+            await first.send_close_stream()
+            assert [m.type async for m in first] == ["Metadata"]
+        assert refused.value.status_code == 503
+        answer = refused.value.__context__  # what the SDK caught: the server's answer
+        assert answer is not None and getattr(answer, "status_code", None) == 503, answer
+        assert answer.headers["Retry-After"] == str(ServerConfig().retry_after_s)  # type: ignore[attr-defined]
+        assert b"the server carries 1 real-time stream(s)" in answer.body  # type: ignore[attr-defined]
+        async with client.listen.v1.connect(**options) as second:
+            await second.send_close_stream()
+            assert [m.type async for m in second] == ["Metadata"]
+        assert server.metrics.sessions_refused.value("capacity") == 1

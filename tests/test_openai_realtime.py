@@ -509,3 +509,24 @@ async def test_handshakes_are_checked_like_v1_and_for_the_intent() -> None:
         client = AsyncOpenAI(base_url=server.http_url + "/v1", api_key="s3cret", max_retries=0)
         async with client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
             assert (await conn.recv()).type == "session.created"
+
+
+def test_sessions_label_no_speakers_on_a_server_with_speakers() -> None:
+    """OpenAI's transcription events have no speaker field: a server started with
+    ``--speakers`` (whose v1 streams are labelled by default) labels none of these streams,
+    so no final waits for labels that would never be sent."""
+    from websockets.datastructures import Headers
+    from websockets.http11 import Request
+
+    from server.apis.adapters import SessionSettings
+    from server.apis.openai_realtime import RealtimeAdapter
+    from server.config import VadConfig
+    from server.core.session import Session
+    from server.core.speakers import SpeakerConfig
+
+    on = StreamingConfig(speakers=SpeakerConfig(enabled=True))
+    assert Session("v1", streaming=on).labels_speakers  # what a v1 stream gets
+    settings = SessionSettings("s", on, VadConfig(), multilingual=False, model="m")
+    request = Request(f"{REALTIME_PATH}?intent=transcription", Headers())
+    session = RealtimeAdapter().open_session(settings, request)
+    assert not session.labels_speakers and session.settings.speakers is False

@@ -12,7 +12,7 @@ from websockets.http11 import Request, Response
 
 from bench.http_probe import metric_value
 from server.apis.v1_stream import STREAM_PATH
-from server.config import ServerConfig
+from server.config import ServerConfig, StreamingConfig
 from server.metrics import Metrics
 from server.serve.routes import Full, process_request, response, web_file
 
@@ -23,6 +23,7 @@ class StubServerState:
 
     config: ServerConfig = field(default_factory=ServerConfig)
     metrics: Metrics = field(default_factory=Metrics)
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
     ready: bool = True
     closing: bool = False
     draining: bool = False

@@ -79,6 +79,7 @@ class StreamApi:
     path: str  # the WebSocket path it is served on
     auth_schemes: tuple[str, ...]  # Authorization schemes that carry the API key
     adapter: Callable[[], Adapter]  # a new adapter for each connection
-    # Why an upgrade request is refused with HTTP 400 before the handshake, or None (the
-    # API's own query checks); None: nothing to check before the session opens.
-    problem: Callable[[Request], str | None] | None = None
+    # Why an upgrade request is refused with HTTP 400 before the handshake by a server
+    # configured so, or None (the API's own query checks); None: nothing to check before the
+    # session opens.
+    problem: Callable[[Request, StreamingConfig], str | None] | None = None

@@ -20,6 +20,11 @@ What the server sends:
 ``endpointing`` (ms of silence before ``speech_final``) sets this stream's end-of-speech
 silence, within ``END_OF_SPEECH_MS_RANGE`` (LiveKit's 25 ms is served at the floor, 200 ms);
 not given, or ``false`` (which also sends no ``speech_final``), the server's own silence.
+
+``diarize=true`` turns the stream's speaker labels on (``StreamSettings.speakers``): each word
+of a final carries ``speaker`` (0, 1, ... in order of appearance) and ``speaker_confidence``.
+A server started without ``--speakers`` refuses it with HTTP 400; ``false`` or absent, the
+stream has no labels (and its finals never wait for them), whatever the server's default.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from urllib.parse import parse_qs, urlsplit
 from websockets.http11 import Request
 
 from server.apis.adapters import SessionSettings, StreamApi
+from server.config import StreamingConfig
 from server.core.session import Session, Settled, nearest_end_of_speech_ms
 from server.decode.stream_driver import AdapterEvent, Outgoing, StreamDriver
 from server.protocol.errors import ProtocolError, StreamError
@@ -48,6 +54,7 @@ from server.protocol.messages import (
     PartialMessage,
     SpeechEndedMessage,
     SpeechStartedMessage,
+    WordInfo,
 )
 
 LISTEN_PATH = "/v1/listen"
@@ -56,7 +63,6 @@ MIN_UTTERANCE_END_MS = 1000  # Deepgram's own floor for utterance_end_ms
 # Options whose "false" is what we do anyway; "true" would ask for something we do not have.
 OFF_ONLY = (
     "detect_entities",
-    "diarize",
     "dictation",
     "measurements",
     "multichannel",
@@ -84,6 +90,7 @@ QUERY_PARAMETERS = (
     "tag",  # usage labels: accepted, as the server keeps no usage reports
     "model",  # any name: the server's model serves it, and Metadata names it
     "token",  # our API key in the URL, as on /v1/stream
+    "diarize",  # speaker labels, on servers started with --speakers
     *OFF_ONLY,
 )
 CHANNEL = [0, 1]  # channel index, of channel count: the one channel there is
@@ -102,6 +109,7 @@ class ListenOptions:
     endpointing_ms: int | None = None  # None: not given, the server's own silence
     utterance_end_ms: int | None = None
     vad_events: bool = False
+    diarize: bool = False  # words carry speaker and speaker_confidence
 
 
 def parse_options(path: str) -> ListenOptions:
@@ -169,15 +177,19 @@ def parse_options(path: str) -> ListenOptions:
         endpointing_ms=endpointing_ms,
         utterance_end_ms=utterance_end_ms,
         vad_events=flag("vad_events", False),
+        diarize=flag("diarize", False),
     )
 
 
-def handshake_problem(request: Request) -> str | None:
-    """Why this upgrade request is refused with HTTP 400, or None."""
+def handshake_problem(request: Request, streaming: StreamingConfig | None = None) -> str | None:
+    """Why this upgrade request is refused with HTTP 400 by a server configured with
+    ``streaming``, or None."""
     try:
-        parse_options(request.path)
+        options = parse_options(request.path)
     except ValueError as exc:
         return str(exc)
+    if options.diarize and not (streaming is not None and streaming.speakers.enabled):
+        return "diarize=true is not available: this server was started without --speakers"
     return None
 
 
@@ -241,7 +253,10 @@ class DeepgramAdapter:
         try:
             session.configure(
                 dataclasses.replace(
-                    session.settings, language=options.language, end_of_speech_ms=end_ms
+                    session.settings,
+                    language=options.language,
+                    end_of_speech_ms=end_ms,
+                    speakers=options.diarize,
                 )
             )
         except ProtocolError as exc:
@@ -379,6 +394,7 @@ class DeepgramAdapter:
                 "end": w.end,
                 "confidence": w.probability,
                 **({"punctuated_word": w.word} if punctuate else {}),
+                **_speaker_fields(w),
             }
             for w in words
         ]
@@ -501,6 +517,16 @@ def plain_word(word: str) -> str:
     while end > start and unicodedata.category(word[end - 1]).startswith("P"):
         end -= 1
     return word[start:end].strip().lower()
+
+
+def _speaker_fields(word: WordInfo) -> dict[str, int | float]:
+    """A word's ``speaker`` and ``speaker_confidence`` (streams with ``diarize=true``)."""
+    if word.speaker is None:
+        return {}
+    fields: dict[str, int | float] = {"speaker": word.speaker}
+    if word.speaker_confidence is not None:
+        fields["speaker_confidence"] = word.speaker_confidence
+    return fields
 
 
 def _dumps(obj: dict[str, Any]) -> str:

@@ -8,8 +8,10 @@ fetch a ``url`` is refused: the server fetches nothing. The answer is Deepgram's
 and ``results.channels[0].alternatives[0]`` with ``transcript``, ``confidence`` and ``words``
 (times, confidence, ``punctuated_word`` with ``punctuate`` or ``smart_format``), plus
 ``results.utterances`` with ``utterances=true``. ``keywords`` and ``keyterm`` become Whisper
-prompt vocabulary. Options that would change the result in a way we cannot deliver
-(``diarize``, ``redact``, summaries) are refused with 400.
+prompt vocabulary. ``diarize=true`` (on a server started with ``--speakers``; 400 without)
+gives each word ``speaker`` and ``speaker_confidence``, and each utterance the ``speaker`` of
+most of its words (``server.core.recording_speakers``). Options that would change the result
+in a way we cannot deliver (``redact``, summaries) are refused with 400.
 """
 
 from __future__ import annotations
@@ -43,12 +45,12 @@ from server.apis.files import (
 )
 from server.core.engine_api import DecodeOptions, WordTiming
 from server.core.long_form import FALLBACK_TEMPERATURES, Segment
+from server.core.speakers import SpeakerLabel
 from server.protocol.formats import MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ
 
 AUTH_SCHEMES = ("token", "bearer")
 # Options whose "false" is what we do anyway; "true" asks for what we do not have.
 OFF_ONLY = (
-    "diarize",
     "multichannel",
     "numerals",
     "profanity_filter",
@@ -79,6 +81,7 @@ QUERY_PARAMETERS = (
     "tag",
     "token",
     "redact",  # only "false"
+    "diarize",  # speaker labels, on servers started with --speakers
     *OFF_ONLY,
 )
 
@@ -117,6 +120,11 @@ class DeepgramFileApi:
         for name in OFF_ONLY:
             if flag(name):
                 raise FileRequestError(f"{name}=true is not available on this server")
+        diarize = flag("diarize")
+        if diarize and not model.speakers:
+            raise FileRequestError(
+                "diarize=true is not available: this server was started without --speakers"
+            )
         if one("redact") not in (None, "false"):
             raise FileRequestError("redact is not available on this server")
         if one("channels") not in (None, "1"):
@@ -144,6 +152,7 @@ class DeepgramFileApi:
             filler_words=flag("filler_words"),
             utterances=flag("utterances"),
             detect_language=detect,
+            speakers=diarize,
             sha256=hashlib.sha256(body).hexdigest(),
         )
 
@@ -187,7 +196,12 @@ class DeepgramFileApi:
     def render(self, job: FileJob, done: Finished) -> Rendered:
         assert isinstance(job, ListenJob)
         transcript = done.transcript
-        words = [w for w in transcript.words if job.filler_words or _kept(w)]
+        labels = done.speakers or (None,) * len(transcript.words)
+        words = [
+            _Word(w, label)
+            for w, label in zip(transcript.words, labels, strict=True)
+            if job.filler_words or _kept(w)
+        ]
         channel: dict[str, Any] = {"alternatives": [_alternative(job, words)]}
         if job.detect_language:
             channel["detected_language"] = transcript.language or "en"
@@ -195,7 +209,7 @@ class DeepgramFileApi:
         results: dict[str, Any] = {"channels": [channel]}
         if job.utterances:
             results["utterances"] = [
-                _utterance(job, s, words, done.request_id) for s in transcript.segments
+                u for s in transcript.segments for u in _utterances(job, s, words, done.request_id)
             ]
         uid = model_uuid(done.model.name)
         body = {
@@ -226,44 +240,80 @@ class DeepgramFileApi:
         raise NotImplementedError("Deepgram's pre-recorded API does not stream")
 
 
+@dataclass(frozen=True)
+class _Word:
+    """A word of the transcript and, with ``diarize=true``, its speaker."""
+
+    timing: WordTiming
+    speaker: SpeakerLabel | None = None
+
+
 def _kept(word: WordTiming) -> bool:
     return plain_word(word.word) not in FILLER_WORDS
 
 
-def _alternative(job: ListenJob, words: list[WordTiming]) -> dict[str, Any]:
+def _alternative(job: ListenJob, words: list[_Word]) -> dict[str, Any]:
     objects = [
         {
-            "word": plain_word(w.word) or w.word.strip(),
-            "start": round(w.start_s, 3),
-            "end": round(w.end_s, 3),
-            "confidence": round(w.probability, 4),
-            **({"punctuated_word": w.word.strip()} if job.punctuate else {}),
+            "word": plain_word(w.timing.word) or w.timing.word.strip(),
+            "start": round(w.timing.start_s, 3),
+            "end": round(w.timing.end_s, 3),
+            "confidence": round(w.timing.probability, 4),
+            **({"punctuated_word": w.timing.word.strip()} if job.punctuate else {}),
+            **(
+                {"speaker": w.speaker.speaker, "speaker_confidence": round(w.speaker.confidence, 4)}
+                if job.speakers and w.speaker is not None
+                else {}
+            ),
         }
         for w in words
     ]
     if job.punctuate:
-        text = " ".join(w.word.strip() for w in words)
+        text = " ".join(w.timing.word.strip() for w in words)
     else:
-        text = " ".join(filter(None, (plain_word(w.word) for w in words)))
-    confidence = sum(w.probability for w in words) / len(words) if words else 0.0
+        text = " ".join(filter(None, (plain_word(w.timing.word) for w in words)))
+    confidence = sum(w.timing.probability for w in words) / len(words) if words else 0.0
     return {"transcript": text, "confidence": round(confidence, 4), "words": objects}
 
 
-def _utterance(
-    job: ListenJob, segment: Segment, words: list[WordTiming], request_id: str
-) -> dict[str, Any]:
+def _utterances(
+    job: ListenJob, segment: Segment, words: list[_Word], request_id: str
+) -> list[dict[str, Any]]:
+    """The utterances of one Whisper segment: the segment, or with ``diarize=true`` one per
+    run of its words with the same speaker (Deepgram starts an utterance where the speaker
+    changes)."""
     span = segment.span
-    inside = [w for w in words if span.start_s - 0.01 <= w.start_s < span.end_s]
-    alternative = _alternative(job, inside)
-    return {
-        "start": round(span.start_s, 3),
-        "end": round(span.end_s, 3),
-        "confidence": alternative["confidence"],
-        "channel": 0,
-        "transcript": alternative["transcript"],
-        "words": alternative["words"],
-        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{request_id}:{span.start_s:.3f}")),
-    }
+    inside = [w for w in words if span.start_s - 0.01 <= w.timing.start_s < span.end_s]
+    runs: list[list[_Word]] = [inside]
+    if job.speakers and inside:
+        runs = [[inside[0]]]
+        for w in inside[1:]:
+            if _speaker_of(w) == _speaker_of(runs[-1][-1]):
+                runs[-1].append(w)
+            else:
+                runs.append([w])
+    out = []
+    for k, run in enumerate(runs):
+        start = span.start_s if k == 0 else run[0].timing.start_s
+        end = span.end_s if k == len(runs) - 1 else run[-1].timing.end_s
+        alternative = _alternative(job, run)
+        utterance: dict[str, Any] = {
+            "start": round(start, 3),
+            "end": round(end, 3),
+            "confidence": alternative["confidence"],
+            "channel": 0,
+            "transcript": alternative["transcript"],
+            "words": alternative["words"],
+            "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{request_id}:{start:.3f}")),
+        }
+        if job.speakers:
+            utterance["speaker"] = _speaker_of(run[0]) if run else None
+        out.append(utterance)
+    return out
+
+
+def _speaker_of(word: _Word) -> int | None:
+    return word.speaker.speaker if word.speaker is not None else None
 
 
 PRERECORDED = FileRoute(LISTEN_PATH, AUTH_SCHEMES, DeepgramFileApi())

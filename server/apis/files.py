@@ -18,6 +18,7 @@ from websockets.datastructures import Headers
 
 from server.core.engine_api import DecodeOptions
 from server.core.long_form import Segment, Transcript
+from server.core.speakers import SpeakerLabel
 
 
 class FileRequestError(Exception):
@@ -38,6 +39,7 @@ class ModelFacts:
     name: str
     multilingual: bool
     language_name: Callable[[str], str | None]  # Whisper's name of a code; None: no such code
+    speakers: bool = False  # whether the server labels speakers (--speakers)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class FileJob:
     pcm_rate_hz: int | None = None  # raw 16-bit little-endian mono PCM at this rate
     response_format: str = "json"
     words: bool = False  # word times in the answer
+    speakers: bool = False  # each word's speaker (``Finished.speakers``)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class Finished:
     duration_s: float
     request_id: str
     model: ModelFacts
+    # With ``FileJob.speakers``: one label per word of ``transcript.words``, in order.
+    speakers: tuple[SpeakerLabel | None, ...] = ()
 
 
 class FileApi(Protocol):

@@ -35,7 +35,7 @@ from urllib.parse import parse_qs, urlsplit
 from websockets.http11 import Request
 
 from server.apis.adapters import SessionSettings, StreamApi
-from server.config import VadConfig
+from server.config import StreamingConfig, VadConfig
 from server.core.session import (
     MAX_SPEECH_PAD_MS,
     Session,
@@ -76,8 +76,9 @@ _VAD_FLAGS = ("create_response", "interrupt_response")  # not for transcription 
 _BOUNDARY_SLACK_S = 0.05
 
 
-def handshake_problem(request: Request) -> str | None:
-    """Why this upgrade request is refused with HTTP 400, or None."""
+def handshake_problem(request: Request, streaming: StreamingConfig | None = None) -> str | None:
+    """Why this upgrade request is refused with HTTP 400, or None (the server's
+    configuration makes no difference here)."""
     query = parse_qs(urlsplit(request.path).query, keep_blank_values=True)
     if query.get("intent") != ["transcription"]:
         return "this server serves transcription sessions only: connect with ?intent=transcription"
@@ -190,6 +191,9 @@ class RealtimeAdapter:
             vad=settings.vad,
             multilingual=settings.multilingual,
         )
+        # OpenAI's transcription events have no speaker field: labels a server with
+        # --speakers would compute here would never be sent, and finals would wait for them.
+        session.configure(dataclasses.replace(session.settings, speakers=False))
         self._config = _Config(language=session.language)
         return session
 

@@ -29,8 +29,10 @@ from websockets.http11 import Response
 
 from server.apis.files import FileJob, FileRequestError, FileRoute, Finished, ModelFacts
 from server.apis.registry import FILE_ROUTES
-from server.config import ServerConfig
+from server.config import ServerConfig, StreamingConfig, VadConfig
 from server.core.long_form import LongForm
+from server.core.speakers import SpeakerLabel
+from server.decode.file_speakers import label_words_in_thread
 from server.decode.file_transcription import transcribe_on_lanes
 from server.decode.pipeline import Pipeline
 from server.metrics import Metrics
@@ -64,6 +66,12 @@ class RestServer(Protocol):
 
     @property
     def pipeline(self) -> Pipeline: ...
+
+    @property
+    def streaming(self) -> StreamingConfig: ...
+
+    @property
+    def vad(self) -> VadConfig: ...
 
     @property
     def ready(self) -> bool: ...
@@ -161,7 +169,12 @@ class RestApp:
     async def _answer(self, route: FileRoute, request: HttpRequest, reply: Reply) -> None:
         pipeline = self._server.pipeline
         engine = pipeline.engine
-        model = ModelFacts(engine.name, engine.dims.is_multilingual, language_name)
+        model = ModelFacts(
+            engine.name,
+            engine.dims.is_multilingual,
+            language_name,
+            speakers=pipeline.speakers is not None,
+        )
         request_id = str(uuid.uuid4())
         started = time.monotonic()
         try:
@@ -187,7 +200,20 @@ class RestApp:
         else:
             async for _ in transcribe_on_lanes(pipeline, recording):
                 pass
-        done = Finished(recording.transcript(), recording.duration_s, request_id, model)
+        transcript = recording.transcript()
+        labels: tuple[SpeakerLabel | None, ...] = ()
+        if job.speakers and pipeline.speakers is not None:
+            # The voices of the speech under the words, in a worker thread (file_speakers).
+            labels = tuple(
+                await label_words_in_thread(
+                    audio,
+                    transcript.words,
+                    pipeline.speakers,
+                    vad=self._server.vad,
+                    config=self._server.streaming.speakers,
+                )
+            )
+        done = Finished(transcript, recording.duration_s, request_id, model, speakers=labels)
         log.info(
             "%s: %.1f s of audio transcribed in %.2f s",
             request.path,

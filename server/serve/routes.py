@@ -26,7 +26,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from server.apis.registry import STREAM_APIS
-from server.config import ServerConfig
+from server.config import ServerConfig, StreamingConfig
 from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from server.metrics import Metrics
 from server.serve.access import api_key_offered, origin_allowed
@@ -64,6 +64,9 @@ class ServerState(Protocol):
 
     @property
     def metrics(self) -> Metrics: ...
+
+    @property
+    def streaming(self) -> StreamingConfig: ...
 
     @property
     def ready(self) -> bool: ...
@@ -128,7 +131,8 @@ def process_request(server: ServerState, request: Request) -> Response | None:
         refused = _check_stream_request(server, request, api.auth_schemes)
         if refused is not None:
             return refused
-        if api.problem is not None and (problem := api.problem(request)) is not None:
+        problem = api.problem(request, server.streaming) if api.problem is not None else None
+        if problem is not None:
             server.metrics.sessions_refused.inc(1, "bad_request")
             return response(HTTPStatus.BAD_REQUEST, problem + "\n")
         return _refuse_if_full(server)
