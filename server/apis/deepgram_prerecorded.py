@@ -79,6 +79,8 @@ QUERY_PARAMETERS = (
     "channels",
     "mip_opt_out",  # nothing is kept: any value is honoured
     "tag",
+    "version",  # "latest": the server has one version of its model
+    "extra",  # key:value pairs echoed in the metadata, as Deepgram does
     "token",
     "redact",  # only "false"
     "diarize",  # speaker labels, on servers started with --speakers
@@ -95,6 +97,7 @@ class ListenJob(FileJob):
     utterances: bool = False
     detect_language: bool = False
     sha256: str = ""
+    extra: tuple[tuple[str, str], ...] = ()
 
 
 class DeepgramFileApi:
@@ -154,6 +157,7 @@ class DeepgramFileApi:
             detect_language=detect,
             speakers=diarize,
             sha256=hashlib.sha256(body).hexdigest(),
+            extra=tuple(_pair(e) for e in query.get("extra", [])),
         )
 
     @staticmethod
@@ -224,6 +228,7 @@ class DeepgramFileApi:
                 "channels": 1,
                 "models": [uid],
                 "model_info": {uid: model_info(done.model.name)},
+                **({"extra": dict(job.extra)} if job.extra else {}),
             },
             "results": results,
         }
@@ -246,6 +251,13 @@ class _Word:
 
     timing: WordTiming
     speaker: SpeakerLabel | None = None
+
+
+def _pair(extra: str) -> tuple[str, str]:
+    key, sep, value = extra.partition(":")
+    if not sep or not key:
+        raise FileRequestError(f"extra must be key:value; got {extra[:40]!r}")
+    return key, value
 
 
 def _kept(word: WordTiming) -> bool:
