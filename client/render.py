@@ -24,6 +24,7 @@ from client.subtitles import (
     CueConfig,
     ends_sentence,
     join_text,
+    speaker_tag,
     srt_cue,
     vtt_cue,
     words_from_final,
@@ -239,6 +240,29 @@ def language_tag(final: FinalMessage, current: str | None) -> str:
     return f"[{final.language}] "
 
 
+def speaker_tagged(final: FinalMessage, current: int | None) -> tuple[str, int | None]:
+    """A final's text with ``[S1]`` before each word where the speaker changes from
+    ``current`` (the last one shown), and the speaker it ends with. A final without speaker
+    labels is its text, and leaves ``current`` as it was."""
+    words = words_from_final(final) if final.words else []
+    if not any(w.speaker is not None for w in words):
+        return " ".join(final.text.split()), current
+    parts: list[str] = []
+    for word in words:
+        if word.speaker is not None and word.speaker != current:
+            current = word.speaker
+            parts.append(speaker_tag(current))
+        parts.append(word.text)
+    return " ".join(parts), current
+
+
+def opens_with_new_speaker(final: FinalMessage, current: int | None) -> bool:
+    """Whether a final's first word is another speaker's than ``current``: its line starts
+    afresh (a conversation reads as one line per turn)."""
+    first = final.words[0].speaker if final.words else None
+    return first is not None and current is not None and first != current
+
+
 class TerminalRenderer:
     """Live captions that flow: finals fill the line, wrapped at the terminal's width, with
     the partial after them, dimmed and redrawn in place.
@@ -264,6 +288,7 @@ class TerminalRenderer:
         self._drawn: list[int] = [0]  # columns each row of the live region shows
         self._width = self._query_width()
         self._language: str | None = None  # of the last final, when the server detects it
+        self._speaker: int | None = None  # of the last final's last word, with speaker labels
 
     def _query_width(self) -> int:
         if self._fixed_width is not None:
@@ -286,7 +311,10 @@ class TerminalRenderer:
             self._draw()
         elif isinstance(message, FinalMessage):
             self._partial = ""
-            text = language_tag(message, self._language) + " ".join(message.text.split())
+            if opens_with_new_speaker(message, self._speaker):
+                self._end_line()
+            spoken, self._speaker = speaker_tagged(message, self._speaker)
+            text = language_tag(message, self._language) + spoken
             self._language = message.language or self._language
             for sentence in _sentences(self._safe(text)):
                 self._add(sentence)
@@ -391,13 +419,18 @@ class TextRenderer:
         self._tracker = UtteranceTracker()
         self._line = ""
         self._language: str | None = None  # of the last final, when the server detects it
+        self._speaker: int | None = None  # of the last final's last word, with speaker labels
 
     def on_message(self, message: ServerMessage) -> None:
-        """Gather a final's text; write the line when its utterance is over."""
+        """Gather a final's text; write the line when its utterance is over (or another
+        speaker's final begins)."""
         if self._tracker.observe(message) is not None:
             self._write_line()
         if isinstance(message, FinalMessage):
-            text = language_tag(message, self._language) + " ".join(message.text.split())
+            if opens_with_new_speaker(message, self._speaker):
+                self._write_line()
+            spoken, self._speaker = speaker_tagged(message, self._speaker)
+            text = language_tag(message, self._language) + spoken
             self._language = message.language or self._language
             self._line = join_text(self._line, text)
 

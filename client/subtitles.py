@@ -25,6 +25,11 @@ start before a time (after the end of an utterance), which lets it finish a cue 
 waiting for the next word. The cues are the same whether words come one by one or all at
 once: every decision waits until the words that could change it are known.
 
+- **Speakers.** With speaker labels (a server with ``--speakers``), a cue holds one speaker's
+  words: a change of speaker ends it. WebVTT marks every cue's voice (``<v S1>``); SubRip,
+  which has no markup for it, starts the first line of a cue with ``[S1]`` where the speaker
+  changes (room for the label is kept within the line's 42 characters).
+
 ``server/web/app.js`` builds the page's downloads with a port of this module; the browser
 test checks that both give the same cues.
 """
@@ -86,6 +91,7 @@ class TimedWord:
     start_s: float
     end_s: float
     joins_previous: bool = False
+    speaker: int | None = None  # who said it (0, 1, ...), with speaker labels
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,8 @@ class Cue:
     lines: tuple[str, ...]
     first_word_s: float  # start of its first word (the cue never starts before it)
     last_word_s: float  # end of its last word
+    speaker: int | None = None  # the speaker of all its words, with speaker labels
+    speaker_changed: bool = False  # its speaker is not the previous cue's (SRT labels it)
 
     @property
     def text(self) -> str:
@@ -156,7 +164,7 @@ def words_from_final(final: FinalMessage) -> list[TimedWord]:
         else:
             spaced = found > pos
             pos = found + len(piece)
-        word = TimedWord(piece, w.start, w.end)
+        word = TimedWord(piece, w.start, w.end, speaker=w.speaker)
         if not words:
             words.append(replace(word, joins_previous=_joins(piece)))
         elif spaced:
@@ -177,6 +185,16 @@ def _estimated_words(text: str, start_s: float, end_s: float) -> list[TimedWord]
         t1 = start_s + (end_s - start_s) * at / total
         words.append(TimedWord(token, t0, t1, joins_previous=not words and _joins(token)))
     return words
+
+
+def speaker_name(speaker: int) -> str:
+    """How a speaker is shown: ``S1`` for the first (the wire counts from 0)."""
+    return f"S{speaker + 1}"
+
+
+def speaker_tag(speaker: int) -> str:
+    """The label SubRip and the terminal put before a new speaker's words: ``[S1]``."""
+    return f"[{speaker_name(speaker)}]"
 
 
 def join_text(before: str, after: str) -> str:
@@ -261,6 +279,8 @@ class CueBuilder:
         self._no_words_before_s = -math.inf
         self._last_end_s: float | None = None  # end of the last cue given out
         self._last_word: TimedWord | None = None
+        self._closed_speaker: int | None = None  # of the last words closed into a cue
+        self._emitted_speaker: int | None = None  # of the last cue given out
 
     @property
     def config(self) -> CueConfig:
@@ -281,7 +301,9 @@ class CueBuilder:
                 return self._ready()
             word = replace(merged, joins_previous=False)
             self._open.pop()
-        if self._open and self._breaks_before(word.start_s):
+        if self._open and (
+            self._breaks_before(word.start_s) or word.speaker != self._open[-1].speaker
+        ):
             self._close(len(self._open))
         while self._open and not self._fits([*self._open, word]):
             self._close(self._split_point(word))
@@ -326,7 +348,17 @@ class CueBuilder:
     def _fits(self, words: Sequence[TimedWord]) -> bool:
         if len(words) > 1 and words[-1].end_s - words[0].start_s > self._config.max_duration_s:
             return False
-        return layout([w.text for w in words], self._config) is not None
+        return layout(self._texts(words, self._closed_speaker), self._config) is not None
+
+    @staticmethod
+    def _texts(words: Sequence[TimedWord], speaker_before: int | None) -> list[str]:
+        """The words' texts, the first led by its speaker's tag when the speaker changes
+        there (SubRip shows it: the lines keep room for it)."""
+        texts = [w.text for w in words]
+        first = words[0].speaker if words else None
+        if first is not None and first != speaker_before:
+            texts[0] = f"{speaker_tag(first)} {texts[0]}"
+        return texts
 
     def _split_point(self, word: TimedWord) -> int:
         """How many of the open words the cue takes, ``word`` being the one that overflows."""
@@ -353,6 +385,7 @@ class CueBuilder:
 
     def _close(self, count: int) -> None:
         self._closed.append(self._open[:count])
+        self._closed_speaker = self._open[count - 1].speaker
         self._open = self._open[count:]
 
     # -- timing ----------------------------------------------------------------------------
@@ -393,9 +426,16 @@ class CueBuilder:
             end = next_start_s - c.min_gap_s
         end = max(min(end, start + c.max_duration_s), start + _MIN_VISIBLE_S)
         self._last_end_s = end
-        texts = [w.text for w in words]
+        speaker = words[0].speaker
+        changed = speaker is not None and speaker != self._emitted_speaker
+        self._emitted_speaker = speaker
+        texts = self._texts(words, None if changed else speaker)
         lines = layout(texts, c) or _wrapped(texts, c)
-        return Cue(start, end, lines, words[0].start_s, words[-1].end_s)
+        if changed:
+            assert speaker is not None
+            tag = speaker_tag(speaker) + " "
+            lines = (lines[0].removeprefix(tag), *lines[1:])  # SubRip puts it back
+        return Cue(start, end, lines, words[0].start_s, words[-1].end_s, speaker, changed)
 
 
 def build_cues(words: Iterable[TimedWord], config: CueConfig | None = None) -> list[Cue]:
@@ -441,7 +481,10 @@ def _clean(line: str) -> str:
 def srt_cue(index: int, cue: Cue) -> str:
     """One SubRip cue, numbered from 1, with its trailing blank line."""
     times = f"{format_srt_timestamp(cue.start_s)} --> {format_srt_timestamp(cue.end_s)}"
-    text = "\n".join(_clean(line) for line in cue.lines)
+    lines = [_clean(line) for line in cue.lines]
+    if cue.speaker_changed and cue.speaker is not None and lines:
+        lines[0] = f"{speaker_tag(cue.speaker)} {lines[0]}"
+    text = "\n".join(lines)
     return f"{index}\n{times}\n{text}\n\n"
 
 
@@ -449,12 +492,15 @@ VTT_HEADER = "WEBVTT\n\n"
 
 
 def vtt_cue(cue: Cue) -> str:
-    """One WebVTT cue with its trailing blank line; ``&``, ``<`` and ``>`` are escaped."""
+    """One WebVTT cue with its trailing blank line; ``&``, ``<`` and ``>`` are escaped. A cue
+    with a speaker is one voice span (``<v S1>...</v>``)."""
     times = f"{format_vtt_timestamp(cue.start_s)} --> {format_vtt_timestamp(cue.end_s)}"
     text = "\n".join(
         _clean(line).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
         for line in cue.lines
     )
+    if cue.speaker is not None:
+        text = f"<v {speaker_name(cue.speaker)}>{text}</v>"
     return f"{times}\n{text}\n\n"
 
 

@@ -50,6 +50,7 @@ from server.protocol.messages import (
     WordInfo,
     parse_server_message,
 )
+from tests.helpers import two_readers, write_wav
 from tests.subtitle_checks import read_srt, read_vtt, rule_violations
 from tests.tmux_pane import DEAD_ROW, TMUX, TmuxPane, render_png
 
@@ -283,6 +284,65 @@ def test_a_detected_language_is_tagged_where_it_starts_and_where_it_switches() -
     flowing.close()
     last_row = terminal.getvalue().rsplit("\x1b[2K", 1)[-1]  # the row as last redrawn
     assert last_row == "[de] Der Raum wurde\n"
+
+
+def _spoken(segment: int, start: float, *words: tuple[str, int]) -> FinalMessage:
+    """A final of ``words`` (text, speaker), 0.4 s each from ``start``."""
+    infos = tuple(
+        WordInfo(text, start + 0.4 * k, start + 0.4 * k + 0.3, 0.9, speaker, 0.8)
+        for k, (text, speaker) in enumerate(words)
+    )
+    text = "".join(" " + w for w, _ in words)
+    return FinalMessage(segment, text, infos[0].start, infos[-1].end, infos, start + 3)
+
+
+def test_a_speaker_is_tagged_where_the_speaker_changes() -> None:
+    """``[S1]`` before the first words, ``[S2]`` where the other speaker starts: a final that
+    opens with another speaker starts a line, a change inside a final is tagged in place."""
+    script = [
+        _spoken(0, 0.0, ("Hello", 0), ("there.", 0)),
+        _spoken(1, 1.0, ("I", 1), ("am", 1), ("fine.", 1)),
+        _spoken(2, 2.5, ("Good.", 1), ("And", 0), ("you?", 0)),
+        SpeechEndedMessage(4.0, 4.5),
+        _spoken(3, 5.0, ("Well.", 0)),
+    ]
+    out = io.StringIO()
+    renderer = TextRenderer(out)
+    for message in script:
+        renderer.on_message(message)
+    renderer.close()
+    assert out.getvalue() == "[S1] Hello there.\n[S2] I am fine. Good. [S1] And you?\nWell.\n"
+    terminal = io.StringIO()
+    flowing = TerminalRenderer(terminal, width=80, color=False)
+    for message in script:
+        flowing.on_message(message)
+    flowing.close()
+    assert screen_of(terminal.getvalue()) == [
+        "[S1] Hello there.",
+        "[S2] I am fine. Good. [S1] And you?",
+        "Well.",
+        "",  # the cursor's row, after the last line ended
+    ]
+
+
+@pytest.mark.asyncio(loop_scope="session")  # the speakers_server_url fixture's loop
+async def test_two_readers_streamed_are_tagged_s1_then_s2(
+    speakers_server_url: str, speech_dir: Path, tmp_path: Path
+) -> None:
+    """The text output of two shared readers streamed to a server with ``--speakers``: the
+    first line is S1's, and S2 is tagged once, at the second reader."""
+    talk = two_readers(speech_dir)
+    path = tmp_path / "two_readers.wav"
+    write_wav(path, talk.audio)
+    out = io.StringIO()
+    renderer = TextRenderer(out)
+    await stream_audio(
+        speakers_server_url + "/v1/stream", FileSource(path), pace=0, on_message=renderer.on_message
+    )
+    renderer.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("[S1] ") and out.getvalue().count("[S1]") == 1, lines
+    assert out.getvalue().count("[S2]") == 1 and "[S2] For although" in out.getvalue(), lines
 
 
 def test_jsonl_is_every_message_one_per_line() -> None:

@@ -132,3 +132,19 @@ def test_words_wait_until_their_windows_are_in(speech_dir: Path, encoder: Speake
     assert not tracker.covered(8000)
     run(tracker, a, encoder)
     assert tracker.covered(8000)
+
+
+def test_an_utterance_closed_before_its_windows_were_planned_is_not_covered() -> None:
+    """A stream at full speed closes its next utterance while the encoder is busy with the
+    one before: none of its windows planned yet, its words must wait for them (they were
+    labelled at once with the last speaker, confidence 0)."""
+    tracker = SpeakerTracker(SpeakerConfig())
+    tracker.open_utterance(0)
+    tracker.close_utterance(48_000)
+    assert not tracker.covered(40_000)  # nothing planned: nothing heard
+    planned = tracker.plan(48_000)
+    assert planned is not None and tracker.plan(48_000) is None
+    assert not tracker.covered(40_000)  # planned, not received
+    _, _, starts = planned
+    tracker.receive(starts, None)
+    assert tracker.covered(40_000)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,7 @@ from client.subtitles import (
     words_from_pieces,
 )
 from server.protocol.messages import FinalMessage, ServerMessage, WordInfo
+from tests.helpers import two_readers, write_wav
 from tests.subtitle_checks import ReadCue, read_srt, read_vtt, rule_violations
 
 CONFIG = CueConfig()
@@ -353,6 +355,107 @@ def test_cue_formats() -> None:
     assert vtt_document([]) == "WEBVTT\n\n" and read_vtt(vtt_document([])) == []
     assert read_vtt(vtt_document([cue])) == [ReadCue(1.0, 2.5, ("<ask> & not", "what"))]
     assert srt_document([]) == "" and read_srt("") == []
+
+
+# --------------------------------------------------------------------------- speakers
+
+
+def voices(text: str, speaker: int, *, start_s: float) -> list[TimedWord]:
+    return [replace(w, speaker=speaker) for w in spoken(text, start_s=start_s)]
+
+
+def test_a_change_of_speaker_ends_a_cue_and_srt_labels_it_where_it_changes() -> None:
+    first = voices("Hello there, my friend.", 0, start_s=0.0)  # 0.0-1.6 s
+    second = voices("Hi. How are you?", 1, start_s=1.6)  # at once: no pause between them
+    later = voices("I am well.", 1, start_s=5.0)  # the same speaker after a pause
+    back = voices("Good.", 0, start_s=6.2)
+    cues = build_cues([*first, *second, *later, *back])
+    assert texts(cues) == ["Hello there, my friend.", "Hi. How are you?", "I am well.", "Good."]
+    assert [(c.speaker, c.speaker_changed) for c in cues] == [
+        (0, True),
+        (1, True),
+        (1, False),
+        (0, True),
+    ]
+    srt = [cue.lines[0] for cue in read_srt(srt_document(cues))]
+    assert srt == [
+        "[S1] Hello there, my friend.",
+        "[S2] Hi. How are you?",
+        "I am well.",
+        "[S1] Good.",
+    ]
+    vtt = vtt_document(cues).split("\n\n")[1:-1]
+    assert [c.split("\n", 1)[1] for c in vtt] == [
+        "<v S1>Hello there, my friend.</v>",
+        "<v S2>Hi. How are you?</v>",
+        "<v S2>I am well.</v>",
+        "<v S1>Good.</v>",
+    ]
+
+
+def test_an_srt_label_is_kept_within_the_line_length() -> None:
+    # 40 characters: one line alone, two with "[S1] " before them.
+    text = "Twelve words make a line of forty chars."
+    assert len(text) == 40
+    [plain] = build_cues(spoken(text))
+    [labelled] = build_cues(voices(text, 0, start_s=0.0))
+    assert len(plain.lines) == 1 and len(labelled.lines) == 2
+    lines = read_srt(srt_document([labelled]))[0].lines
+    assert lines[0].startswith("[S1] ") and all(
+        len(line) <= CONFIG.max_line_chars for line in lines
+    )
+
+
+def test_a_finals_words_keep_their_speakers() -> None:
+    final = FinalMessage(
+        0,
+        " Yes, I do.",
+        0.0,
+        1.0,
+        (
+            WordInfo("Yes", 0.0, 0.3, 0.9, 0, 0.9),
+            WordInfo(",", 0.3, 0.35, 0.9, 0, 0.9),
+            WordInfo("I", 0.4, 0.6, 0.9, 1, 0.8),
+            WordInfo("do.", 0.6, 1.0, 0.9, 1, 0.8),
+        ),
+        2.0,
+    )
+    assert [(w.text, w.speaker) for w in words_from_final(final)] == [
+        ("Yes,", 0),
+        ("I", 1),
+        ("do.", 1),
+    ]
+
+
+@pytest.mark.asyncio(loop_scope="session")  # the speakers_server_url fixture's loop
+async def test_live_subtitles_of_two_readers_carry_their_voices(
+    speakers_server_url: str, speech_dir: Path, tmp_path: Path
+) -> None:
+    """Two shared readers streamed to a server with ``--speakers``: VTT cues before the
+    change are S1's voice and after it S2's; SRT labels the first cue and the change, and
+    nothing else; no line is longer than 42 characters, label included."""
+    talk = two_readers(speech_dir)
+    path = tmp_path / "two_readers.wav"
+    write_wav(path, talk.audio)
+    messages = await stream_messages(speakers_server_url, path)
+    files = {}
+    for fmt in ("srt", "vtt"):
+        out = io.StringIO()
+        renderer = SubtitleRenderer(out, fmt)
+        for message in messages:
+            renderer.on_message(message)
+        renderer.close()
+        files[fmt] = out.getvalue()
+    cues = read_srt(files["srt"])
+    assert len(cues) >= 4
+    labels = [c.lines[0].split(" ", 1)[0] for c in cues if c.lines[0].startswith("[S")]
+    assert labels == ["[S1]", "[S2]"], files["srt"]
+    assert all(len(line) <= CONFIG.max_line_chars for c in cues for line in c.lines)
+    vtt_cues = files["vtt"].split("\n\n")[1:-1]
+    assert len(vtt_cues) == len(cues)
+    for cue, block in zip(cues, vtt_cues, strict=True):
+        voice = "<v S1>" if cue.end_s <= talk.boundary_s + 0.5 else "<v S2>"
+        assert block.split("\n", 1)[1].startswith(voice), (block, talk.boundary_s)
 
 
 # --------------------------------------------------------------------------- real speech

@@ -133,7 +133,9 @@ class _Utterance:
 
     @property
     def finished(self) -> bool:
-        return self.end is not None and self.received == self.planned
+        # Closed, every window planned (a stream's audio may close an utterance while the
+        # encoder is busy with an earlier one: none of its windows is planned yet), and heard.
+        return self.end is not None and self.planning_done and self.received == self.planned
 
 
 class SpeakerTracker:
