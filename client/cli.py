@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stream",
         parents=[common, net],
         help="stream an audio file, or raw PCM from stdin ('-')",
-        description="Stream an audio file (wav; flac, mp3, ogg with ffmpeg) or raw PCM on "
+        description="Stream an audio file (wav, flac, mp3, m4a, ogg, webm) or raw PCM on "
         "standard input ('-') to the server.",
     )
     stream.add_argument("file", metavar="FILE|-", help="audio file, or - for raw PCM on stdin")

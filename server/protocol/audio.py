@@ -8,9 +8,7 @@ resamples it to ``SAMPLE_RATE_HZ`` with a streaming resampler, so frames may be 
 from __future__ import annotations
 
 import logging
-import shutil
 import struct
-import subprocess
 import wave
 from pathlib import Path
 
@@ -146,51 +144,51 @@ def pcm_s16le_bytes(samples: npt.NDArray[np.float32]) -> bytes:
 def read_audio_file(path: str | Path) -> npt.NDArray[np.float32]:
     """Read a whole audio file as mono float32 at 16 kHz.
 
-    With ``ffmpeg`` on PATH any format it knows is read (wav, flac, mp3, ogg, ...). Without it
-    only WAV works: 8/16/24/32-bit integer PCM and 32/64-bit IEEE float, any channel count
-    (averaged to mono) and any rate (resampled with soxr).
+    WAV is read here (8/16/24/32-bit integer PCM and 32/64-bit IEEE float, any channel count,
+    averaged to mono, any rate, resampled with soxr); anything else (flac, mp3, m4a, ogg,
+    webm, or a WAV variant not read here) by PyAV (``server.protocol.media``).
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: the file cannot be decoded; without ffmpeg, any non-WAV file.
+        ValueError: the file cannot be decoded.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such audio file: {path}")
-    ffmpeg = shutil.which("ffmpeg")
-    if ffmpeg is not None:
-        return _read_with_ffmpeg(ffmpeg, path)
-    samples, rate = _read_wav(path)
-    if rate != SAMPLE_RATE_HZ:
-        samples = np.asarray(
-            soxr.resample(samples, rate, SAMPLE_RATE_HZ, quality=_RESAMPLE_QUALITY),
-            dtype=np.float32,
-        )
-    return samples
+    with path.open("rb") as f:
+        head = f.read(12)
+    if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+        try:
+            samples, rate = _read_wav(path)
+        except _NotReadHere:
+            pass
+        else:
+            if rate != SAMPLE_RATE_HZ:
+                samples = np.asarray(
+                    soxr.resample(samples, rate, SAMPLE_RATE_HZ, quality=_RESAMPLE_QUALITY),
+                    dtype=np.float32,
+                )
+            return samples
+    # Imported here: the client streams WAV files without loading FFmpeg's libraries.
+    from server.protocol.media import MediaError, decode_media
 
-
-def _read_with_ffmpeg(ffmpeg: str, path: Path) -> npt.NDArray[np.float32]:
-    cmd = [ffmpeg, "-nostdin", "-loglevel", "error", "-i", str(path)]
-    cmd += ["-f", "f32le", "-ac", "1", "-ar", str(SAMPLE_RATE_HZ), "-"]
-    logger.debug("decoding %s with ffmpeg", path)
+    logger.debug("decoding %s with PyAV", path)
     try:
-        done = subprocess.run(cmd, capture_output=True, check=True)
-    except subprocess.CalledProcessError as exc:
-        detail = exc.stderr.decode("utf-8", "replace").strip().splitlines()
-        reason = detail[-1] if detail else f"exit status {exc.returncode}"
-        raise ValueError(f"ffmpeg could not decode {path}: {reason}") from exc
-    return np.frombuffer(done.stdout, dtype="<f4").astype(np.float32)
+        return decode_media(path)
+    except MediaError as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+
+
+class _NotReadHere(ValueError):
+    """A WAV variant this module does not read (PyAV does)."""
 
 
 def _not_readable(path: Path, why: str) -> ValueError:
-    return ValueError(
-        f"cannot read {path} without ffmpeg ({why}); only PCM or float WAV is read natively. "
-        "Install ffmpeg (e.g. `apt-get install ffmpeg` or `brew install ffmpeg`) for other formats"
-    )
+    return _NotReadHere(f"cannot read {path} as WAV: {why}")
 
 
 def _read_wav(path: Path) -> tuple[npt.NDArray[np.float32], int]:
-    """Mono float32 samples and their rate from a WAV file, without ffmpeg."""
+    """Mono float32 samples and their rate from a WAV file."""
     try:
         with wave.open(str(path), "rb") as w:
             channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
