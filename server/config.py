@@ -212,6 +212,9 @@ class ServerConfig:
     # many are decoded at once (more are refused with 503 and Retry-After).
     max_upload_bytes: int = 25 * 1024 * 1024
     max_file_requests: int = 4
+    # An upload's windows at temperature 0 are beam-searched with this many beams (1: greedy),
+    # as Whisper's offline transcribe() does; bench/README.md "Uploads" measures both.
+    file_beam_size: int = 5
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -241,6 +244,8 @@ class ServerConfig:
             raise ValueError(f"max_incoming_frames must be >= 1; got {self.max_incoming_frames}")
         if self.max_upload_bytes < 1024 or self.max_file_requests < 0:
             raise ValueError("max_upload_bytes must be >= 1024 and max_file_requests >= 0")
+        if not 1 <= self.file_beam_size <= 16:
+            raise ValueError(f"file_beam_size must be 1 to 16; got {self.file_beam_size}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be None (no authentication) or a non-empty string")
         if (self.tls_cert_path is None) != (self.tls_key_path is None):

@@ -54,9 +54,9 @@ def parse(
 # --------------------------------------------------------------------------- requests
 
 
-def test_a_plain_request_asks_for_beam_search_with_whispers_fallback() -> None:
+def test_a_plain_request_asks_for_whispers_temperature_fallback() -> None:
     job = parse({"model": "whisper-1"})
-    assert job.options.language == "en" and job.options.beam_size == 5
+    assert job.options.language == "en"
     assert job.temperatures == FALLBACK_TEMPERATURES
     assert job.response_format == "json" and not job.stream and not job.words
 
@@ -275,8 +275,9 @@ async def test_the_upload_formats_are_transcribed(
 async def test_a_long_recording_is_transcribed_as_offline_beam_search_does(
     client: openai.AsyncOpenAI, engine: object, speech_dir: Path
 ) -> None:
-    """Three 30 s windows through the lanes give the text of our offline decode (beam 5,
-    temperature fallback) of the same audio, word for word."""
+    """Three 30 s windows through the lanes give the text of our offline decode (beam 5, the
+    server's default file_beam_size, and temperature fallback) of the same audio, word for
+    word."""
     from server.engine.engine import Engine
 
     assert isinstance(engine, Engine)

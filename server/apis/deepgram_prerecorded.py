@@ -146,7 +146,7 @@ class DeepgramFileApi:
         vocabulary += [k for k in query.get("keyterm", []) if k]
         return ListenJob(
             body,
-            DecodeOptions(language=language, word_timestamps=True, beam_size=5),
+            DecodeOptions(language=language, word_timestamps=True),
             FALLBACK_TEMPERATURES,
             prompt=", ".join(vocabulary),
             pcm_rate_hz=pcm_rate_hz,

@@ -136,9 +136,7 @@ class OpenAIFileApi:
             p for p in (_one(fields, "prompt") or "", ", ".join(_many(fields, "keywords"))) if p
         )
         words = "word" in granularities
-        options = DecodeOptions(
-            language=language, task=self.task, word_timestamps=words, beam_size=5
-        )
+        options = DecodeOptions(language=language, task=self.task, word_timestamps=words)
         temperatures = FALLBACK_TEMPERATURES if temperature == 0 else (temperature,)
         return FileJob(
             files[-1].data,

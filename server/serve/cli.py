@@ -165,6 +165,26 @@ def build_parser() -> argparse.ArgumentParser:
         "between a floor and a ceiling from a calibration at startup)",
     )
     limits.add_argument(
+        "--max-upload-mb",
+        type=float,
+        default=s.max_upload_bytes / 2**20,
+        help="largest file POSTed to /v1/audio/transcriptions or /v1/listen, in MiB; larger "
+        "ones get 413 (default %(default)s)",
+    )
+    limits.add_argument(
+        "--max-file-requests",
+        type=int,
+        default=s.max_file_requests,
+        help="uploads transcribed at once; more get 503 and Retry-After (default %(default)s)",
+    )
+    limits.add_argument(
+        "--file-beam-size",
+        type=int,
+        default=s.file_beam_size,
+        help="beams for an upload's windows (1: greedy, about 2.5x faster; default "
+        "%(default)s, Whisper's offline default)",
+    )
+    limits.add_argument(
         "--capacity-hop-s",
         type=float,
         default=p.capacity_hop_s,
@@ -265,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
             tls_cert_path=args.tls_cert,
             tls_key_path=args.tls_key,
             drain_s=args.drain_s,
+            max_upload_bytes=round(args.max_upload_mb * 2**20),
+            max_file_requests=args.max_file_requests,
+            file_beam_size=args.file_beam_size,
         )
         streaming = StreamingConfig(
             closing_beam_size=args.closing_beam_size,

@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import replace
 from http import HTTPStatus
 from typing import Protocol
 
@@ -189,7 +190,10 @@ class RestApp:
             await reply.send(self._error(route, HTTPStatus.BAD_REQUEST, str(exc), param="file"))
             return
         prompt = engine.encode_text(" " + job.prompt.strip()) if job.prompt.strip() else ()
-        recording = LongForm(audio, job.options, job.temperatures, prompt=prompt)
+        # The server's beam size, for the windows decoded at temperature 0 (sampled ones,
+        # in the fallback or at the client's temperature, take best_of candidates instead).
+        options = replace(job.options, beam_size=self._server.config.file_beam_size)
+        recording = LongForm(audio, options, job.temperatures, prompt=prompt)
         log = logging.LoggerAdapter(logger, {"request_id": request_id})
         log.info("%s: %.1f s of audio", request.path, recording.duration_s)
         if job.stream:
