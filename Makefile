@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # carry more than two workers. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 3
 
-.PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-beam bench-streaming bench-capacity bench-speakers clean
+.PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-beam bench-streaming bench-capacity bench-speakers bench-uploads clean
 .PHONY: peer bench-latency bench-accuracy tmux
 
 install: $(STAMP)
@@ -116,6 +116,11 @@ bench-accuracy: $(STAMP)
 # The capacity sweep runs WhisperLive beside ours too (BENCH_CAPACITY_ARGS=--no-peer: ours only).
 bench-capacity: $(STAMP) $(PEER_STAMP)
 	$(PY) -m bench.capacity $(BENCH_CAPACITY_ARGS)
+
+# What a POSTed recording costs (60 s idle, beam 5 and greedy) and what a 10-minute upload
+# does to live streams' final latency. BENCH_UPLOADS_ARGS: e.g. --beams 5 --upload-s 300
+bench-uploads: $(STAMP)
+	$(PY) -m bench.uploads $(BENCH_UPLOADS_ARGS)
 
 bench: bench-engine bench-decoder bench-streaming bench-accuracy bench-capacity bench-latency
 

@@ -293,10 +293,17 @@ def peer_figures(
 class Contender:
     """One server of the sweep: how to start it and how to speak to it."""
 
-    def __init__(self, name: str, peer: PeerConfig | None, decode_lanes: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        peer: PeerConfig | None,
+        decode_lanes: int | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.name = name
         self.peer = peer
         self.decode_lanes = decode_lanes
+        self.extra_args = tuple(extra_args)  # ours: further server flags
         self.port = free_port()
 
     def process(self) -> ServerProcess:
@@ -307,6 +314,7 @@ class Contender:
                 *("--port", str(self.port), "--model", "tiny.en", "--log-level", "info"),
                 "--no-capacity-limit",  # the sweep measures past the estimate
                 *(() if self.decode_lanes is None else ("--decode-lanes", str(self.decode_lanes))),
+                *self.extra_args,
             ]
             ready_url = f"http://127.0.0.1:{self.port}/readyz"
             return ServerProcess(self.name, cmd, ready=lambda: http_ok(ready_url), log_path=log)

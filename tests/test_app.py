@@ -608,6 +608,46 @@ async def test_a_full_server_refuses_the_handshake_with_503_and_retry_after() ->
         assert metric_value(page, 'whisperwire_sessions_refused_total{reason="server_full"}') == 1
 
 
+def handshake_status(sock: socket.socket) -> int:
+    """The HTTP status a raw socket's handshake request was answered with (blocking)."""
+    head = b""
+    while b"\r\n" not in head:
+        chunk = sock.recv(1024)
+        if not chunk:
+            break
+        head += chunk
+    return int(head.split(b" ", 2)[1])
+
+
+async def test_handshakes_at_the_same_moment_never_share_the_last_seat() -> None:
+    """Four handshake requests already waiting when the event loop looks, for one seat
+    (``capacity_streams=1``): one 101, three 503. The stream is counted in the same step
+    as the check that admitted it, so the others see it; a yield between the two would let
+    them all through the 503 check and end three sessions with 1013 after the handshake,
+    which no balancer can replay."""
+    async with scripted_server(capacity_streams=1) as srv:
+        request = (
+            f"GET /v1/stream HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\n"
+            "Upgrade: websocket\r\nConnection: Upgrade\r\n"
+            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
+        socks = []
+        try:
+            for _ in range(4):  # blocking: the kernel completes the connection, not the loop
+                sock = socket.create_connection(("127.0.0.1", srv.port), timeout=WAIT_S)
+                sock.sendall(request)
+                socks.append(sock)
+            statuses = await asyncio.gather(
+                *(asyncio.to_thread(handshake_status, sock) for sock in socks)
+            )
+        finally:
+            for sock in socks:
+                sock.close()
+        assert sorted(statuses) == [101, 503, 503, 503]
+        assert srv.metrics.sessions_refused.value("capacity") == 3
+        assert srv.metrics.errors.value("server_full") == 0  # no refusal after a handshake
+
+
 async def test_a_client_that_never_reads_is_dropped_not_the_server() -> None:
     async with scripted_server(
         max_pending_messages=8, write_limit_bytes=1024, close_timeout_s=0.5

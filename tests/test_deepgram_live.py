@@ -499,9 +499,10 @@ async def test_handshakes_take_a_token_key_and_refuse_bad_options_with_400() -> 
 
 async def test_a_full_server_refuses_the_sdks_connect_with_503_and_retry_after() -> None:
     """The server carries one stream and the SDK holds it: the next ``listen.v1.connect``
-    raises the SDK's ``ApiError`` with status 503 (Deepgram's own word for "try later" at the
-    handshake, which a balancer replays elsewhere); the websockets error it wraps holds the
-    server's Retry-After and why. Once the first leaves, the next gets in."""
+    raises the SDK's ``ApiError`` with status 503 (refused before the handshake, so a
+    balancer replays it on another instance); the websockets error it wraps holds the
+    server's Retry-After (the SDK's legacy client keeps no body). Once the first leaves, the
+    next gets in."""
     async with scripted_server(capacity_streams=1) as server:
         client = AsyncDeepgramClient(api_key="unused", environment=environment(server.url))
         options = {"model": "nova-3", "encoding": "linear16", "sample_rate": "16000"}
@@ -515,7 +516,6 @@ async def test_a_full_server_refuses_the_sdks_connect_with_503_and_retry_after()
         answer = refused.value.__context__  # what the SDK caught: the server's answer
         assert answer is not None and getattr(answer, "status_code", None) == 503, answer
         assert answer.headers["Retry-After"] == str(ServerConfig().retry_after_s)  # type: ignore[attr-defined]
-        assert b"the server carries 1 real-time stream(s)" in answer.body  # type: ignore[attr-defined]
         async with client.listen.v1.connect(**options) as second:
             await second.send_close_stream()
             assert [m.type async for m in second] == ["Metadata"]

@@ -9,6 +9,11 @@ finishes with every final and ``done``, new sessions go to the other), a restart
 that gets nothing while it warms up, and a session finished by a drain that ends (1001)
 resumed by the client on the other instance. The browser page, served through HAProxy, does
 the same in real headless Chromium (``tests/test_web_page.py`` drives it).
+
+Admission (#32): a full instance's 503 is replayed by HAProxy on the other, and a client sees
+a 503 with ``Retry-After`` only when every instance is full (scripted engines, capacities
+pinned); four sessions opened at once on two fresh real instances with the capacity estimate
+on are all served.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import pytest
 from playwright.async_api import async_playwright
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
+from websockets.http11 import Response
 
 from bench.corpus import ManifestRow, load_clip, normalize, read_manifest, wer
 from bench.http_probe import http_get, metric_value
@@ -336,6 +342,92 @@ async def test_an_instance_that_is_warming_up_gets_no_session(tmp_path: Path) ->
         await warming.shutdown()
 
 
+@contextlib.asynccontextmanager
+async def opened_at_once(url: str, count: int) -> AsyncIterator[list[object]]:
+    """``count`` handshakes at the same moment; yields once each has its answer, with the
+    sessions served still open, and closes them on exit. Each outcome is ``"ready"`` or
+    the refused handshake's ``Response``."""
+    outcomes: list[object] = []
+    answered, close = asyncio.Event(), asyncio.Event()
+
+    def outcome(what: object) -> None:
+        outcomes.append(what)
+        if len(outcomes) == count:
+            answered.set()
+
+    async def one() -> None:
+        try:
+            async with connect(url) as ws:
+                outcome(json.loads(await ws.recv())["type"])
+                await close.wait()
+        except InvalidStatus as refused:
+            outcome(refused.response)
+
+    clients = asyncio.gather(*(one() for _ in range(count)))
+    try:
+        await asyncio.wait_for(answered.wait(), 30)
+        yield outcomes
+    finally:
+        close.set()
+        await clients
+
+
+@on_session_loop
+async def test_a_full_instance_s_503_is_replayed_on_the_other_and_no_client_sees_it(
+    tmp_path: Path,
+) -> None:
+    """Four handshakes at once, two to each instance (leastconn); one instance carries one
+    stream (``--capacity 1``): it refuses its second with 503, and HAProxy replays that
+    handshake on the other instance (``retry-on 503``, ``option redispatch 1``)."""
+    async with (
+        WhisperwireServer(ScriptedEngine, server=scripted_config(capacity_streams=1)) as small,
+        WhisperwireServer(ScriptedEngine, server=scripted_config(capacity_streams=3)) as big,
+        haproxy_in_front([small.port, big.port], tmp_path) as lb,
+    ):
+        await lb.haproxy.wait_for("ww1", "UP")
+        await lb.haproxy.wait_for("ww2", "UP")
+        async with opened_at_once(lb.stream_url, 4) as outcomes:
+            assert outcomes == ["ready"] * 4
+        assert (sessions_of(small), sessions_of(big)) == (1, 3)
+
+
+@on_session_loop
+async def test_when_every_instance_is_full_the_client_gets_503_with_retry_after(
+    tmp_path: Path,
+) -> None:
+    """Two instances of one stream each, four handshakes at once: two are served; the other
+    two get 503 with the instances' Retry-After once HAProxy's retries ran out. Once the
+    checks have taken both out of rotation HAProxy answers 503 itself, with the same hint,
+    to a stream and to ``/readyz``: what the CLI and the page wait out."""
+    retry_after = str(ServerConfig().retry_after_s)
+    config = scripted_config(capacity_streams=1)
+    async with (
+        WhisperwireServer(ScriptedEngine, server=config) as one,
+        WhisperwireServer(ScriptedEngine, server=config) as two,
+        haproxy_in_front([one.port, two.port], tmp_path) as lb,
+    ):
+        await lb.haproxy.wait_for("ww1", "UP")
+        await lb.haproxy.wait_for("ww2", "UP")
+        async with opened_at_once(lb.stream_url, 4) as outcomes:
+            await lb.haproxy.wait_for("ww1", "DOWN")
+            await lb.haproxy.wait_for("ww2", "DOWN")
+            with pytest.raises(InvalidStatus) as no_instance:
+                async with connect(lb.stream_url):
+                    pass
+            readyz = await http_get(lb.http_url + "/readyz")
+    assert outcomes.count("ready") == 2, outcomes
+    for refused in outcomes:
+        if refused != "ready":
+            assert isinstance(refused, Response), refused
+            assert (refused.status_code, refused.headers.get("Retry-After")) == (503, retry_after)
+            assert refused.body.startswith(b"the server carries 1 real-time stream(s)")
+    # The balancer's own 503, with the hint added by the shipped config.
+    assert no_instance.value.response.status_code == 503
+    assert no_instance.value.response.headers.get("Retry-After") == retry_after
+    assert b"No server is available" in no_instance.value.response.body
+    assert (readyz[0], readyz[1].get("retry-after")) == (503, retry_after)
+
+
 # --------------------------------------------------------------------------- real instances
 
 
@@ -616,6 +708,82 @@ async def test_two_real_instances_behind_haproxy_drain_without_losing_a_word(
         artifacts = Path(__file__).parent / "artifacts"
         artifacts.mkdir(exist_ok=True)
         (artifacts / "deploy-haproxy.json").write_text(json.dumps(figures, indent=1) + "\n")
+
+
+# Two fresh instances as deploy/README.md runs them on one 2-core host (one lane each, the
+# admission on its defaults: the capacity estimate and --max-sessions).
+ADMISSION_INSTANCE_ARGS = (
+    *("--model", "tiny.en", "--api-key", API_KEY, "--log-level", "info"),
+    *("--decode-lanes", "1"),
+)
+BURST_CLIPS = SPREAD_CLIPS[:4]  # 4 to 11 s each, all different
+
+
+async def four_at_once(lb: Balanced, speech_dir: Path, pace: float) -> list[StreamResult]:
+    """``BURST_CLIPS`` opened through HAProxy at the same moment, each its own v1 session,
+    without the client's retries: a refusal is an error here, not a wait."""
+
+    async def one(file: str) -> StreamResult:
+        source = FileSource(speech_dir / file)
+        return await stream_audio(lb.stream_url, source, pace=pace, token=API_KEY)
+
+    outcomes = await asyncio.wait_for(
+        asyncio.gather(*(one(f) for f in BURST_CLIPS), return_exceptions=True), 240
+    )
+    refused = [repr(o) for o in outcomes if isinstance(o, BaseException)]
+    assert not refused, refused
+    return [o for o in outcomes if isinstance(o, StreamResult)]
+
+
+@pytest.mark.slow
+@on_session_loop
+async def test_four_sessions_at_once_on_two_fresh_instances_are_all_served(
+    speech_dir: Path, manifest: list[ManifestRow], tmp_path: Path
+) -> None:
+    """#32: two fresh instances with the admission on, four v1 sessions opened at once through
+    the shipped HAProxy config, first as fast as they go (the burst that used to take the
+    estimate down), then in real time: none refused, each transcribes its own clip."""
+    haproxy_binary()
+    ports = [free_port(), free_port()]
+    instances = [
+        ServerInstance(f"ww{i}", port, list(ADMISSION_INSTANCE_ARGS), tmp_path / f"ww{i}.log")
+        for i, port in enumerate(ports, 1)
+    ]
+    figures: dict[str, object] = {}
+    try:
+        await asyncio.gather(*(i.start() for i in instances))
+        await asyncio.gather(*(i.wait_ready() for i in instances))
+        async with haproxy_in_front(ports, tmp_path) as lb:
+            for pace, name in ((0.0, "burst"), (1.0, "real_time")):
+                await lb.haproxy.wait_for("ww1", "UP")
+                await lb.haproxy.wait_for("ww2", "UP")
+                figures[f"{name}_readyz"] = [(await i.get("/readyz"))[1] for i in instances]
+                before = [await sessions_total(i) for i in instances]
+                results = await four_at_once(lb, speech_dir, pace)
+                after = [await sessions_total(i) for i in instances]
+                figures[f"{name}_sessions_per_instance"] = [
+                    int(a - b) for a, b in zip(after, before, strict=True)
+                ]
+                figures[f"{name}_refused_by_instances"] = [
+                    await instance_metric(i, REFUSED + '{reason="capacity"}') for i in instances
+                ]
+                assert sum(after) - sum(before) == len(BURST_CLIPS)
+                for file, result in zip(BURST_CLIPS, results, strict=True):
+                    check_complete(result, clip_s(speech_dir, file))
+                    error = wer(reference(manifest, file), result.text)
+                    assert error <= MAX_WER_CLIP, (file, result.text)
+                figures[f"{name}_wer"] = [
+                    round(wer(reference(manifest, f), r.text), 3)
+                    for f, r in zip(BURST_CLIPS, results, strict=True)
+                ]
+    finally:
+        await stop_all(instances)
+        figures["logs"] = [i.log_tail(8) for i in instances]
+        artifacts = Path(__file__).parent / "artifacts"
+        artifacts.mkdir(exist_ok=True)
+        (artifacts / "deploy-haproxy-admission.json").write_text(
+            json.dumps(figures, indent=1) + "\n"
+        )
 
 
 # From now on, when the page first shows its connection lost and then back, and the first

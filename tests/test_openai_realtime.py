@@ -511,6 +511,31 @@ async def test_handshakes_are_checked_like_v1_and_for_the_intent() -> None:
             assert (await conn.recv()).type == "session.created"
 
 
+async def test_a_full_server_refuses_the_sdks_connect_with_503_and_retry_after() -> None:
+    """The server carries one stream and the SDK holds it: the next ``realtime.connect``
+    raises websockets' ``InvalidStatus`` with the server's answer, 503 (refused before the
+    handshake, so a balancer replays it on another instance), its Retry-After and why. Once
+    the first has left, the next gets in."""
+    async with scripted_server(capacity_streams=1) as server:
+        client = AsyncOpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0)
+        query = {"intent": "transcription"}
+        async with client.realtime.connect(extra_query=query) as first:
+            assert (await first.recv()).type == "session.created"
+            with pytest.raises(InvalidStatus) as refused:
+                async with client.realtime.connect(extra_query=query):
+                    pass
+        answer = refused.value.response
+        assert answer.status_code == 503
+        assert answer.headers["Retry-After"] == str(ServerConfig().retry_after_s)
+        assert answer.body.startswith(b"the server carries 1 real-time stream(s)"), answer.body
+        async with asyncio.timeout(30):  # the first's connection ends on the server's side
+            while server.active_sessions:
+                await asyncio.sleep(0.01)
+        async with client.realtime.connect(extra_query=query) as second:
+            assert (await second.recv()).type == "session.created"
+        assert server.metrics.sessions_refused.value("capacity") == 1
+
+
 def test_sessions_label_no_speakers_on_a_server_with_speakers() -> None:
     """OpenAI's transcription events have no speaker field: a server started with
     ``--speakers`` (whose v1 streams are labelled by default) labels none of these streams,

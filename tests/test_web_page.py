@@ -9,6 +9,8 @@ page captures it through its AudioWorklet, streams it to the ``server_url`` fixt
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import json
 import re
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from playwright.async_api import Browser, Page, Playwright, async_playwright
 from playwright.async_api import TimeoutError as PlaywrightTimeoutError
+from websockets.asyncio.client import connect as ws_connect
 
 from bench.corpus import ManifestRow, normalize, read_manifest
 from client.reconnect import SEAM_WORDS
@@ -554,6 +557,127 @@ async def test_the_pages_cue_builder_makes_the_cues_of_client_subtitles(
     cues = build_cues(words)
     assert made["srt"] == srt_document(cues)
     assert made["vtt"] == vtt_document(cues)
+
+
+async def hold_the_seat(url: str, held: asyncio.Event, release: asyncio.Event) -> None:
+    """One v1 session that stays open, 0.1 s of silence a second (under the idle timeout),
+    until ``release``; then it ends as a client does (``end``, ``done``)."""
+    silence = bytes(PAGE_RATE_HZ // 10 * 2)
+    async with ws_connect(url) as ws:
+        assert json.loads(await ws.recv())["type"] == "ready"
+        held.set()
+        while not release.is_set():
+            await ws.send(silence)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(release.wait(), 1.0)
+        await ws.send('{"type": "end"}')
+        async for _ in ws:
+            pass
+
+
+WAITING_JS = "document.getElementById('connection').dataset.state === 'waiting'"
+# The page's countdown while it waits for a full server (app.js showWait).
+WAITING_STATUS_RE = (
+    r"The server is full\. Trying again in \d+ s \(attempt (\d+) of (\d+)\); Stop cancels\."
+)
+
+
+async def test_a_full_server_is_waited_out_and_the_page_connects_once_a_seat_frees(
+    engine: Engine, speech_dir: Path
+) -> None:
+    """The server carries one stream (``capacity_streams=1``) and one is open. The refused
+    handshake tells a browser nothing, so the page asks ``/readyz``: 503 with Retry-After
+    (1 s here). It shows that the server is full and when it tries again, tries then, and
+    gives up after its bounded attempts; Stop cancels a wait; once the seat frees it
+    connects, and sends first the audio it kept while it waited."""
+    from server.config import ServerConfig
+    from server.serve.app import WhisperwireServer
+
+    retry_after_s = 1
+    config = ServerConfig(host="127.0.0.1", port=0, capacity_streams=1, retry_after_s=retry_after_s)
+    wav = speech_dir / CLIP
+    errors: list[str] = []
+    async with WhisperwireServer(lambda: engine, server=config) as server, async_playwright() as pw:
+
+        def refused() -> float:
+            return server.metrics.sessions_refused.value("capacity")
+
+        held, release = asyncio.Event(), asyncio.Event()
+        holder = asyncio.create_task(hold_the_seat(server.url + "/v1/stream", held, release))
+        await asyncio.wait_for(held.wait(), 30)
+        browser = await launch(
+            pw, "--use-fake-ui-for-media-stream", f"--use-file-for-fake-audio-capture={wav}"
+        )
+        try:
+            page = await browser.new_page()
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            await page.goto(page_url(server.url))
+            await wait_until(page, "document.body.dataset.state === 'idle'", STATE_WAIT_MS)
+
+            # -- refused: the page says so and when it tries again, then gives up -----------
+            await page.click("#start")
+            await wait_until(page, WAITING_JS, STATE_WAIT_MS)
+            status = await page.text_content("#status") or ""
+            attempt = re.fullmatch(WAITING_STATUS_RE, status)
+            assert attempt is not None, status
+            assert attempt.groups() == ("2", "11"), status
+            assert await page.text_content("#start") == "Stop"
+            exposed = await page.evaluate("window.whisperwire")
+            assert exposed["retryAfterS"] == retry_after_s, exposed
+            assert exposed["sessionId"] is None and exposed["reconnects"] == 0, exposed
+            await wait_until(
+                page,
+                "document.body.dataset.state === 'idle' && "
+                "document.getElementById('status').classList.contains('error')",
+                STATE_WAIT_MS,
+            )
+            assert await page.text_content("#status") == (
+                "The server is still full after 10 attempts. Press Start to try again later."
+            )
+            assert await page.text_content("#connection") == "closed"
+            assert await page.evaluate("window.whisperwire.fullWaits") == 10
+            assert refused() == 11  # the first handshake and ten more, each one 503
+
+            # -- Stop cancels a wait ---------------------------------------------------------
+            await page.click("#start")
+            await wait_until(page, WAITING_JS, STATE_WAIT_MS)
+            await page.click("#start")
+            await wait_until(page, "document.body.dataset.state === 'idle'", STATE_WAIT_MS)
+            assert await page.text_content("#status") == "Stopped."
+            assert await page.evaluate("window.whisperwire.nextAttemptMs") is None
+            after_stop = refused()
+            # Nothing to wait on for something that must not happen: twice the longest wait
+            # the page could have had scheduled (the hint plus its 20 % jitter).
+            await asyncio.sleep(2 * 1.2 * retry_after_s)
+            assert refused() == after_stop
+
+            # -- a seat frees while the page waits: it connects, nothing said is lost --------
+            await page.click("#start")
+            await wait_until(page, WAITING_JS, STATE_WAIT_MS)
+            started_s = await page.evaluate("window.whisperwire.resumeS")
+            release.set()
+            await asyncio.wait_for(holder, 30)
+            await wait_until(
+                page, f"(phrase) => ({FINAL_TEXT_JS})().includes(phrase)", WORDS_WAIT_MS, PHRASE
+            )
+            assert await page.text_content("#connection") == "connected"
+            status = await page.text_content("#status") or ""
+            assert status.startswith("Listening (model tiny.en)"), status
+            exposed = await page.evaluate("window.whisperwire")
+            (first,) = exposed["sessionLog"]  # the only session the page ever had
+            # It began with the first sample captured after Start, sent before the live
+            # audio: what was said while the page waited reached the server.
+            assert first["offsetS"] == started_s, (first, started_s)
+            assert first["replayedS"] > 0, first
+            assert exposed["reconnects"] == 0, exposed
+            await page.click("#start")
+            await wait_until(page, "document.body.dataset.state === 'idle'", STATE_WAIT_MS)
+            assert await page.text_content("#status") == "Stopped."
+        finally:
+            release.set()
+            await browser.close()
+            await asyncio.wait_for(holder, 30)
+    assert not errors, errors
 
 
 async def test_refused_microphone_permission_is_explained(server_url: str) -> None:

@@ -12,6 +12,11 @@
 // the start of the second-last final word on (SEAM_WORDS), starts the next session there and
 // sends that audio first, then the live audio; the words the new session repeats at the seam
 // are dropped from its first final (client/timeline.py, drop_seam_repeat).
+//
+// A full server refuses the handshake with 503 and Retry-After, which a browser does not
+// show to the page (the WebSocket just closes with 1006): the page asks /readyz, which says
+// 503 with the same Retry-After while the server is full, shows the wait (#connection
+// "waiting", a countdown in #status) and tries again then, MAX_FULL_WAITS times at most.
 "use strict";
 
 (() => {
@@ -28,6 +33,13 @@
   const BACKOFF_FIRST_MS = 500;
   const BACKOFF_MAX_MS = 10000;
   const DONE_TIMEOUT_MS = 10000; // after "end", how long to wait for "done"
+  // A full server refuses the handshake with 503 and Retry-After, which a browser cannot
+  // read from a failed WebSocket: the page asks /readyz, which says 503 with the same hint
+  // while the server is full. It waits that long this many times in a row, then gives up;
+  // at the server's 5 s that is 50 s, within the MAX_REPLAY_S of audio kept meanwhile, so
+  // what was said while waiting is transcribed once a seat frees.
+  const MAX_FULL_WAITS = 10;
+  const RETRY_AFTER_MAX_S = 60; // a bad hint must not stall the page (RetryPolicy.retry_after_max_s)
   // Close codes that retrying cannot fix: bad audio, policy (auth, Origin), frame too large.
   const NO_RETRY_CODES = new Set([1003, 1008, 1009]);
   const TIME_EPSILON_S = 1e-6;
@@ -69,6 +81,8 @@
     seamWords: [], // the last SEAM_WORDS final words, {word, start, end} on the page's timeline
     retries: 0,
     reconnectTimer: null,
+    fullWaits: 0, // refusals in a row by a full server, each waited out
+    waitTicker: null, // redraws the countdown while waiting for a full server
     capturedSamples: 0, // the page's timeline: audio captured since the first Start
     paragraphs: [], // {el, text}: one per utterance
     breakPending: false, // the current utterance is over: the next text opens a paragraph
@@ -93,6 +107,11 @@
     ttftsS: [],
     latenciesS: [],
     reconnects: 0,
+    // Waits for a full server: how many in all, the last Retry-After (seconds), and when the
+    // next attempt is due (performance.now() ms; null when none is).
+    fullWaits: 0,
+    retryAfterS: null,
+    nextAttemptMs: null,
     lastClose: null,
     language: null,
     // One per session that got "ready": {sessionId, offsetS (where its audio began on the
@@ -227,6 +246,7 @@
       return;
     }
     state.retries = 0;
+    state.fullWaits = 0;
     state.breakPending = true; // a new recording starts a new paragraph
     setPhase("running");
     connect();
@@ -354,6 +374,7 @@
 
   function connect() {
     state.reconnectTimer = null;
+    stopWaitTicker();
     const ws = new WebSocket(streamUrl());
     ws.binaryType = "arraybuffer";
     state.ws = ws;
@@ -397,6 +418,12 @@
       return;
     }
     if (state.phase !== "running") return;
+    // No "ready": the handshake failed (1006: a browser is not told its HTTP status) or a
+    // full server refused the session right after it (1013). Ask /readyz whether it is full.
+    if (s && !s.ready && (event.code === 1006 || event.code === 1013)) {
+      askWhyRefused(state.ws, event);
+      return;
+    }
     if (NO_RETRY_CODES.has(event.code)) {
       setStatus(`The server closed the connection (${event.code}${event.reason ? `: ${event.reason}` : ""}).`, true);
       releaseCapture();
@@ -420,6 +447,56 @@
       : `connection lost (${event.code})`;
     setStatus(`${why}; reconnecting in ${(delay / 1000).toFixed(1)} s…`, !endedByServer);
     state.reconnectTimer = setTimeout(connect, delay);
+  }
+
+  // /readyz says 503 with Retry-After while the server is full (through HAProxy, also once
+  // every instance is out of rotation). Then wait the hint out; otherwise the refusal was
+  // something else (the server is down, starting, or refused this client): back off as usual.
+  async function askWhyRefused(ws, event) {
+    setConnection("checking");
+    let hintS = null;
+    try {
+      const answer = await fetch("/readyz", { cache: "no-store" });
+      const header = answer.headers.get("Retry-After");
+      if (answer.status === 503 && header !== null && /^\d+$/.test(header.trim())) {
+        hintS = Math.min(RETRY_AFTER_MAX_S, Number(header.trim()));
+      }
+    } catch (err) {
+      hintS = null; // no answer at all: the server is not there
+    }
+    if (ws !== state.ws || state.phase !== "running") return; // stopped meanwhile
+    if (hintS === null) {
+      scheduleReconnect(event);
+      return;
+    }
+    if (state.fullWaits >= MAX_FULL_WAITS) {
+      setConnection("closed");
+      setStatus(`The server is still full after ${MAX_FULL_WAITS} attempts. Press Start to try again later.`, true);
+      releaseCapture();
+      state.ws = null;
+      setPhase("idle");
+      return;
+    }
+    state.fullWaits += 1;
+    exposed.fullWaits += 1;
+    exposed.retryAfterS = hintS;
+    const delay = hintS * 1000 * (0.8 + 0.4 * Math.random()); // jitter, as the CLI's
+    exposed.nextAttemptMs = performance.now() + delay;
+    setConnection("waiting");
+    showWait();
+    state.waitTicker = setInterval(showWait, 1000);
+    state.reconnectTimer = setTimeout(connect, delay);
+  }
+
+  function showWait() {
+    const leftS = Math.max(1, Math.ceil((exposed.nextAttemptMs - performance.now()) / 1000));
+    setStatus(`The server is full. Trying again in ${leftS} s (attempt ${state.fullWaits + 1} of ${MAX_FULL_WAITS + 1}); Stop cancels.`);
+  }
+
+  function stopWaitTicker() {
+    if (state.waitTicker !== null) clearInterval(state.waitTicker);
+    state.waitTicker = null;
+    exposed.nextAttemptMs = null;
   }
 
   // ------------------------------------------------------------------ transcript
@@ -644,6 +721,7 @@
         if (state.sessions > 1) endParagraph(); // a resumed recording: its words start anew
         exposed.sessionId = msg.session_id;
         state.retries = 0;
+        state.fullWaits = 0;
         setConnection("connected");
         ui.model.textContent = msg.model;
         showLanguage(msg.language, null, false);
@@ -774,6 +852,7 @@
       clearTimeout(state.reconnectTimer);
       state.reconnectTimer = null;
     }
+    stopWaitTicker();
     if (state.node) {
       // The worklet sends what it holds, then {stopped: true}: finishAfterCapture runs.
       state.node.port.postMessage("stop");
