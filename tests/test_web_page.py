@@ -37,6 +37,7 @@ from client.subtitles import (
 )
 from client.timeline import drop_seam_repeat, shift_final
 from server.protocol.messages import FinalMessage, ServerMessage, WordInfo, parse_server_message
+from tests.helpers import two_readers, write_wav
 from tests.subtitle_checks import read_srt, read_vtt, rule_violations
 
 if TYPE_CHECKING:
@@ -169,7 +170,8 @@ PARAGRAPHS_WITH_FINALS_JS = (
 def page_words(exposed: dict[str, Any]) -> list[TimedWord]:
     """The words the page keeps for its subtitles."""
     return [
-        TimedWord(w["text"], w["startS"], w["endS"], w["joinsPrevious"]) for w in exposed["words"]
+        TimedWord(w["text"], w["startS"], w["endS"], w["joinsPrevious"], w["speaker"])
+        for w in exposed["words"]
     ]
 
 
@@ -704,3 +706,111 @@ async def test_refused_microphone_permission_is_explained(server_url: str) -> No
             assert not await page.is_disabled("#start")
         finally:
             await browser.close()
+
+
+# --------------------------------------------------------------------------- speakers
+
+# The speakers' labels on the page: [speaker number, label text, colour], in page order.
+SPEAKER_LABELS_JS = """() => [...document.querySelectorAll('#transcript .speaker')]
+    .map((e) => [Number(e.dataset.speaker), e.textContent, getComputedStyle(e).color])"""
+
+
+async def test_speakers_get_a_colour_and_a_label_the_user_can_rename(
+    speakers_server_url: str, speech_dir: Path, tmp_path: Path
+) -> None:
+    """Two shared readers through the fake microphone to a server with ``--speakers``: each
+    speaker's paragraphs are led by a label in its own colour (S1, then S2); clicking S2's
+    label and typing a name renames it on every paragraph and in the TXT, SRT and VTT."""
+    talk = two_readers(speech_dir)
+    wav = tmp_path / "two_readers.wav"
+    write_wav(wav, talk.audio)
+    errors: list[str] = []
+    async with async_playwright() as pw:
+        browser = await launch(
+            pw, "--use-fake-ui-for-media-stream", f"--use-file-for-fake-audio-capture={wav}"
+        )
+        try:
+            context = await browser.new_context(
+                viewport={"width": 1000, "height": 900}, accept_downloads=True
+            )
+            page = await context.new_page()
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            await page.goto(page_url(speakers_server_url))
+            await wait_until(page, "document.body.dataset.state === 'idle'", STATE_WAIT_MS)
+            await page.click("#start")
+            await wait_until(
+                page,
+                "() => document.querySelectorAll('#transcript .speaker[data-speaker=\"1\"]')"
+                ".length > 0",
+                WORDS_WAIT_MS,
+            )
+            labels = await page.evaluate(SPEAKER_LABELS_JS)
+            assert labels[0][:2] == [0, "S1"], labels
+            second = next(label for label in labels if label[0] == 1)
+            assert second[1] == "S2" and second[2] != labels[0][2], labels  # its own colour
+            paragraph = page.locator('#transcript p[data-speaker="1"]').first
+            assert "for although" in (await paragraph.text_content() or "").lower()
+
+            await page.locator('#transcript .speaker[data-speaker="1"]').first.click()
+            field = page.locator("#transcript .speaker-name")
+            await field.fill("Alice")
+            await page.keyboard.press("Enter")  # typed into the field: Space would too
+            assert await page.locator("#transcript .speaker-name").count() == 0
+            renamed = await page.evaluate(SPEAKER_LABELS_JS)
+            assert {text for n, text, _ in renamed if n == 1} == {"Alice"}, renamed
+            assert {text for n, text, _ in renamed if n == 0} == {"S1"}, renamed
+            assert await page.evaluate("document.body.dataset.state") == "running"
+
+            await page.click("#start")  # stop
+            await wait_until(page, "document.body.dataset.state === 'idle'", STATE_WAIT_MS)
+            txt = await download(page, "#download-txt")
+            srt = await download(page, "#download-srt")
+            vtt = await download(page, "#download-vtt")
+            ARTIFACTS.mkdir(exist_ok=True)
+            await page.screenshot(path=str(ARTIFACTS / "web_page_speakers.png"), full_page=True)
+        finally:
+            await browser.close()
+    assert not errors, errors
+    lines = txt.splitlines()
+    assert lines[0].startswith("[S1] ") and any(x.startswith("[Alice] For although") for x in lines)
+    assert "[S1] " in srt and "[Alice] " in srt and "[S2]" not in srt
+    assert "<v S1>" in vtt and "<v Alice>" in vtt and "<v S2>" not in vtt
+
+
+async def test_the_pages_cue_builder_labels_speakers_as_client_subtitles_does(
+    speakers_server_url: str, speech_dir: Path, tmp_path: Path
+) -> None:
+    """Speaker-labelled finals of two readers from a real server with ``--speakers``: the
+    page's port makes the words, SRT and VTT of client/subtitles.py, byte for byte."""
+    talk = two_readers(speech_dir)
+    wav = tmp_path / "two_readers.wav"
+    write_wav(wav, talk.audio)
+    finals: list[FinalMessage] = []
+
+    def keep(message: ServerMessage) -> None:
+        if isinstance(message, FinalMessage):
+            finals.append(message)
+
+    await stream_audio(speakers_server_url + "/v1/stream", FileSource(wav), pace=0, on_message=keep)
+    words = [w for f in finals for w in words_from_final(f)]
+    assert {w.speaker for w in words} == {0, 1}
+    async with async_playwright() as pw:
+        browser = await launch(pw)
+        try:
+            page = await browser.new_page()
+            await page.goto(page_url(speakers_server_url))
+            made = await page.evaluate(
+                """(finals) => {
+                  const S = window.WhisperwireSubtitles;
+                  const words = finals.flatMap((f) => S.wordsFromFinal(f));
+                  const cues = S.buildCues(words);
+                  return { words, srt: S.srtDocument(cues), vtt: S.vttDocument(cues) };
+                }""",
+                [json.loads(f.to_json()) for f in finals],
+            )
+        finally:
+            await browser.close()
+    assert page_words(made) == words
+    cues = build_cues(words)
+    assert made["srt"] == srt_document(cues) and "[S2] " in made["srt"]
+    assert made["vtt"] == vtt_document(cues) and "<v S2>" in made["vtt"]

@@ -592,6 +592,92 @@
     });
   }
 
+  // ------------------------------------------------------------------ speakers
+
+  // With speaker labels (a server with --speakers), each speaker's words open a paragraph
+  // led by a label in the speaker's colour; clicking a label renames that speaker everywhere
+  // (the page, the TXT, SRT and VTT downloads). Names live in this page only.
+  const SPEAKER_COLOURS = ["#1f6feb", "#c2410c", "#15803d", "#9333ea", "#b91c1c", "#0e7490", "#a16207", "#be185d"];
+  const speakerNames = new Map(); // speaker number -> the name the user gave
+  const speakerColour = (speaker) => SPEAKER_COLOURS[speaker % SPEAKER_COLOURS.length];
+  const speakerLabel = (speaker) => speakerNames.get(speaker) || Subtitles.speakerName(speaker);
+  const hasSpeakers = (msg) => (msg.words || []).some((w) => typeof w.speaker === "number");
+
+  // A final's words in runs of one speaker each: [{speaker, text}].
+  function speakerRuns(msg) {
+    const runs = [];
+    for (const w of Subtitles.wordsFromFinal(msg)) {
+      const last = runs[runs.length - 1];
+      if (last && (last.speaker === w.speaker || w.joinsPrevious)) last.text = Subtitles.joinText(last.text, w.text);
+      else runs.push({ speaker: w.speaker, text: w.text });
+    }
+    return runs;
+  }
+
+  function showSpeakerFinal(msg) {
+    for (const run of speakerRuns(msg)) {
+      updateTranscript(() => {
+        let paragraph = currentParagraph();
+        if (paragraph.speaker !== undefined && paragraph.speaker !== run.speaker && paragraph.text) {
+          endParagraph();
+          paragraph = currentParagraph();
+        }
+        if (paragraph.speaker === undefined && run.speaker !== null) labelParagraph(paragraph, run.speaker);
+      });
+      showFinal(run.text);
+    }
+  }
+
+  function labelParagraph(paragraph, speaker) {
+    paragraph.speaker = speaker;
+    paragraph.el.dataset.speaker = String(speaker);
+    paragraph.el.style.borderLeftColor = speakerColour(speaker);
+    const label = document.createElement("button");
+    label.type = "button";
+    label.className = "speaker";
+    label.dataset.speaker = String(speaker);
+    label.style.color = speakerColour(speaker);
+    label.title = "Rename this speaker";
+    label.textContent = speakerLabel(speaker);
+    label.addEventListener("click", () => renameSpeaker(label, speaker));
+    paragraph.el.prepend(label);
+  }
+
+  // The label becomes a text field; Enter or leaving it keeps the name (empty: the default),
+  // Escape keeps the old one.
+  function renameSpeaker(label, speaker) {
+    const field = document.createElement("input");
+    field.className = "speaker-name";
+    field.value = speakerLabel(speaker);
+    field.size = Math.max(6, field.value.length + 2);
+    field.setAttribute("aria-label", `name of ${speakerLabel(speaker)}`);
+    let done = false;
+    const finish = (keep) => {
+      if (done) return;
+      done = true;
+      if (keep) {
+        const name = field.value.trim().replace(/\s+/g, " ").slice(0, 40);
+        if (name && name !== Subtitles.speakerName(speaker)) speakerNames.set(speaker, name);
+        else speakerNames.delete(speaker);
+      }
+      field.replaceWith(label);
+      for (const el of ui.transcript.querySelectorAll(`.speaker[data-speaker="${speaker}"]`)) {
+        el.textContent = speakerLabel(speaker);
+      }
+      label.focus();
+    };
+    field.addEventListener("keydown", (event) => {
+      if (event.key !== "Enter" && event.key !== "Escape") return;
+      // Not passed on: the label, focused again, would take this Enter as a click.
+      event.preventDefault();
+      finish(event.key === "Enter");
+    });
+    field.addEventListener("blur", () => finish(true));
+    label.replaceWith(field);
+    field.focus();
+    field.select();
+  }
+
   // ------------------------------------------------------------------ the seam
 
   // client/timeline.py _comparable: casefolded, letters and digits only.
@@ -756,7 +842,8 @@
         }
         noteFirstText(msg);
         const text = msg.text.split(/\s+/).filter(Boolean).join(" ");
-        showFinal(text);
+        if (hasSpeakers(msg)) showSpeakerFinal(msg);
+        else showFinal(text);
         exposed.finals.push(text);
         exposed.finalLog.push({ message: msg, offsetS: s.offsetS }); // seam repeat dropped
         // Word times in the session's stream time first, then on the page's timeline: the
@@ -786,7 +873,9 @@
   // ------------------------------------------------------------------ take away
 
   function transcriptText() {
-    const lines = state.paragraphs.map((p) => p.text).filter(Boolean);
+    const lines = state.paragraphs
+      .filter((p) => p.text)
+      .map((p) => (p.speaker === undefined ? p.text : `[${speakerLabel(p.speaker)}] ${p.text}`));
     return lines.length ? `${lines.join("\n")}\n` : "";
   }
 
@@ -804,8 +893,8 @@
       text = transcriptText();
       type = "text/plain";
     } else {
-      const cues = Subtitles.buildCues(state.words);
-      text = kind === "srt" ? Subtitles.srtDocument(cues) : Subtitles.vttDocument(cues);
+      const cues = Subtitles.buildCues(state.words, undefined, speakerLabel);
+      text = kind === "srt" ? Subtitles.srtDocument(cues, speakerLabel) : Subtitles.vttDocument(cues, speakerLabel);
       type = kind === "srt" ? "application/x-subrip" : "text/vtt";
     }
     const url = URL.createObjectURL(new Blob([text], { type: `${type};charset=utf-8` }));

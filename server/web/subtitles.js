@@ -38,12 +38,16 @@
     return joins(after) ? before + after : `${before} ${after}`;
   }
 
-  const word = (text, startS, endS, joinsPrevious = false) => ({ text, startS, endS, joinsPrevious });
+  // speaker: who said it (0, 1, ...) with speaker labels, else null.
+  const word = (text, startS, endS, joinsPrevious = false, speaker = null) => ({ text, startS, endS, joinsPrevious, speaker });
 
   function merge(words, piece) {
     const last = words[words.length - 1];
-    words[words.length - 1] = word(last.text + piece.text, last.startS, Math.max(last.endS, piece.endS), last.joinsPrevious);
+    words[words.length - 1] = word(last.text + piece.text, last.startS, Math.max(last.endS, piece.endS), last.joinsPrevious, last.speaker);
   }
+
+  // How a speaker is shown by default (client/subtitles.py speaker_name): S1 for speaker 0.
+  const speakerName = (speaker) => `S${speaker + 1}`;
 
   function estimatedWords(text, startS, endS) {
     const tokens = text.split(/\s+/).filter(Boolean);
@@ -76,8 +80,9 @@
         spaced = found > pos;
         pos = found + piece.length;
       }
-      const next = word(piece, w.start, w.end);
-      if (out.length === 0) out.push(word(piece, w.start, w.end, joins(piece)));
+      const speaker = typeof w.speaker === "number" ? w.speaker : null;
+      const next = word(piece, w.start, w.end, false, speaker);
+      if (out.length === 0) out.push(word(piece, w.start, w.end, joins(piece), speaker));
       else if (spaced) out.push(next);
       else merge(out, next);
     }
@@ -117,29 +122,35 @@
   const pause = (before, after) => Math.max(0.0, after.startS - before.endS);
 
   class CueBuilder {
-    constructor(config = {}) {
+    // name(speaker): the speaker's name in SRT labels (speakerName unless renamed).
+    constructor(config = {}, name = speakerName) {
       this.c = { ...DEFAULTS, ...config };
+      this.name = name;
       this.open = [];
       this.closed = [];
       this.noWordsBeforeS = -Infinity;
       this.lastEndS = null;
       this.lastWord = null;
+      this.closedSpeaker = null; // of the last words closed into a cue
+      this.emittedSpeaker = null; // of the last cue given out
     }
 
     addWord(w) {
       w = this.inOrder(w);
       if (w.joinsPrevious && this.open.length) {
         const last = this.open[this.open.length - 1];
-        const merged = word(last.text + w.text, last.startS, Math.max(last.endS, w.endS), last.joinsPrevious);
+        const merged = word(last.text + w.text, last.startS, Math.max(last.endS, w.endS), last.joinsPrevious, last.speaker);
         if (this.fits([...this.open.slice(0, -1), merged])) {
           this.open[this.open.length - 1] = merged;
           this.lastWord = merged;
           return this.ready();
         }
-        w = word(merged.text, merged.startS, merged.endS, false);
+        w = word(merged.text, merged.startS, merged.endS, false, merged.speaker);
         this.open.pop();
       }
-      if (this.open.length && this.breaksBefore(w.startS)) this.close(this.open.length);
+      if (this.open.length && (this.breaksBefore(w.startS) || w.speaker !== this.open[this.open.length - 1].speaker)) {
+        this.close(this.open.length);
+      }
       while (this.open.length && !this.fits([...this.open, w])) this.close(this.splitPoint(w));
       this.open.push(w);
       this.lastWord = w;
@@ -156,7 +167,7 @@
     inOrder(w) {
       const last = this.lastWord;
       const start = last === null ? w.startS : Math.max(w.startS, last.startS);
-      return word(w.text, start, Math.max(w.endS, start), w.joinsPrevious);
+      return word(w.text, start, Math.max(w.endS, start), w.joinsPrevious, w.speaker);
     }
 
     breaksBefore(nextStartS) {
@@ -169,7 +180,15 @@
 
     fits(words) {
       if (words.length > 1 && words[words.length - 1].endS - words[0].startS > this.c.maxDurationS) return false;
-      return layout(words.map((w) => w.text), this.c) !== null;
+      return layout(this.texts(words, this.closedSpeaker), this.c) !== null;
+    }
+
+    // The words' texts, the first led by its speaker's SRT tag where the speaker changes.
+    texts(words, speakerBefore) {
+      const texts = words.map((w) => w.text);
+      const first = words.length ? words[0].speaker : null;
+      if (first !== null && first !== speakerBefore) texts[0] = `[${this.name(first)}] ${texts[0]}`;
+      return texts;
     }
 
     splitPoint(next) {
@@ -193,6 +212,7 @@
 
     close(count) {
       this.closed.push(this.open.slice(0, count));
+      this.closedSpeaker = this.open[count - 1].speaker;
       this.open = this.open.slice(count);
     }
 
@@ -227,13 +247,21 @@
       if (nextStartS !== null && nextStartS - end < c.chainGapS) end = nextStartS - c.minGapS;
       end = Math.max(Math.min(end, start + c.maxDurationS), start + MIN_VISIBLE_S);
       this.lastEndS = end;
-      const texts = words.map((w) => w.text);
-      return { startS: start, endS: end, lines: layout(texts, c) || wrapped(texts, c) };
+      const speaker = words[0].speaker;
+      const speakerChanged = speaker !== null && speaker !== this.emittedSpeaker;
+      this.emittedSpeaker = speaker;
+      const texts = this.texts(words, speakerChanged ? null : speaker);
+      const lines = layout(texts, c) || wrapped(texts, c);
+      if (speakerChanged) {
+        const tag = `[${this.name(speaker)}] `;
+        if (lines[0].startsWith(tag)) lines[0] = lines[0].slice(tag.length); // SRT puts it back
+      }
+      return { startS: start, endS: end, lines, speaker, speakerChanged };
     }
   }
 
-  function buildCues(words, config) {
-    const builder = new CueBuilder(config);
+  function buildCues(words, config, name = speakerName) {
+    const builder = new CueBuilder(config, name);
     const cues = [];
     for (const w of words) cues.push(...builder.addWord(w));
     cues.push(...builder.finish());
@@ -257,20 +285,33 @@
   const clean = (line) => line.split(/\s+/).filter(Boolean).join(" ");
   const escapeVtt = (line) => line.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 
-  function srtDocument(cues) {
+  // A cue's SRT lines: the first led by [name] where the speaker changes.
+  function srtLines(cue, name) {
+    const lines = cue.lines.map(clean);
+    if (cue.speakerChanged && lines.length) lines[0] = `[${name(cue.speaker)}] ${lines[0]}`;
+    return lines;
+  }
+
+  function srtDocument(cues, name = speakerName) {
     return cues
-      .map((cue, i) => `${i + 1}\n${srtTime(cue.startS)} --> ${srtTime(cue.endS)}\n${cue.lines.map(clean).join("\n")}\n\n`)
+      .map((cue, i) => `${i + 1}\n${srtTime(cue.startS)} --> ${srtTime(cue.endS)}\n${srtLines(cue, name).join("\n")}\n\n`)
       .join("");
   }
 
-  function vttDocument(cues) {
+  // A cue with a speaker is one voice span, <v S1>...</v> (the name escaped as text is).
+  function vttText(cue, name) {
+    const text = cue.lines.map((l) => escapeVtt(clean(l))).join("\n");
+    return cue.speaker === null || cue.speaker === undefined ? text : `<v ${escapeVtt(name(cue.speaker))}>${text}</v>`;
+  }
+
+  function vttDocument(cues, name = speakerName) {
     const body = cues
-      .map((cue) => `${vttTime(cue.startS)} --> ${vttTime(cue.endS)}\n${cue.lines.map((l) => escapeVtt(clean(l))).join("\n")}\n\n`)
+      .map((cue) => `${vttTime(cue.startS)} --> ${vttTime(cue.endS)}\n${vttText(cue, name)}\n\n`)
       .join("");
     return `WEBVTT\n\n${body}`;
   }
 
   window.WhisperwireSubtitles = Object.freeze({
-    wordsFromFinal, buildCues, srtDocument, vttDocument, joinText, endsSentence,
+    wordsFromFinal, buildCues, srtDocument, vttDocument, joinText, endsSentence, speakerName,
   });
 })();
