@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # carry more than two workers. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 3
 
-.PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-beam bench-streaming bench-capacity bench-speakers bench-uploads clean
+.PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-beam bench-streaming bench-capacity bench-speakers bench-uploads bench-vocabulary clean
 .PHONY: peer bench-latency bench-accuracy tmux
 
 install: $(STAMP)
@@ -121,6 +121,10 @@ bench-capacity: $(STAMP) $(PEER_STAMP)
 # does to live streams' final latency. BENCH_UPLOADS_ARGS: e.g. --beams 5 --upload-s 300
 bench-uploads: $(STAMP)
 	$(PY) -m bench.uploads $(BENCH_UPLOADS_ARGS)
+
+# What a prompt of vocabulary (OpenAI prompt, Deepgram keyterm) does to missed names and terms.
+bench-vocabulary: $(STAMP)
+	$(PY) -m bench.vocabulary
 
 bench: bench-engine bench-decoder bench-streaming bench-accuracy bench-capacity bench-latency
 
