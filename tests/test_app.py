@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -49,6 +50,7 @@ from tests.helpers import (
     scripted_server,
     stream_frames,
 )
+from tests.test_http_front import wav_bytes
 
 if TYPE_CHECKING:
     from server.engine.engine import Engine
@@ -697,6 +699,15 @@ async def test_tls(tmp_path: Path) -> None:
         context = ssl.create_default_context(cafile=str(cert))
         async with connect(stream_url(srv.url), ssl=context) as ws:
             assert json.loads(await ws.recv())["type"] == "ready"
+        # An upload over TLS too: the HTTP front reads it from the TLS transport.
+        async with httpx.AsyncClient(verify=context, timeout=WAIT_S) as client:
+            answer = await client.post(
+                srv.http_url + "/v1/audio/transcriptions",
+                files={"file": ("a.wav", wav_bytes(2.0), "audio/wav")},
+                data={"model": "m"},
+            )
+        assert srv.http_url.startswith("https://")
+        assert answer.status_code == 200 and answer.json()["text"] == "w0 w1 w2 w3"
 
 
 # --------------------------------------------------------------------------- bad input, abuse

@@ -252,6 +252,8 @@ class _Exchange:
             await self._app.handle(request, _H11Reply(self))
         except asyncio.CancelledError:
             raise
+        except ConnectionResetError:
+            logger.info("%s %s: the client went away", request.method, request.path)
         except Exception:
             logger.error("%s %s failed", request.method, request.path, exc_info=True)
             if self._h11.our_state is h11.SEND_RESPONSE:
