@@ -1,9 +1,11 @@
 """The real-speech corpus that the benchmarks and the tests share: where it lives, its
-manifest, its clips as float audio, and word error rate against its transcripts."""
+manifest, its clips as float audio (and back to WAV bytes, as a client uploads them), and word
+error rate against its transcripts."""
 
 from __future__ import annotations
 
 import csv
+import io
 import os
 import wave
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 from whisper_normalizer.english import EnglishTextNormalizer
 
+from server.protocol.audio import pcm_s16le_bytes
 from server.protocol.formats import SAMPLE_RATE_HZ
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,3 +90,14 @@ def wer(reference: str | list[str], hypothesis: str | list[str]) -> float:
     if not pairs:
         raise ValueError("every reference is empty after normalisation")
     return float(jiwer.wer([r for r, _ in pairs], [h if h else "" for _, h in pairs]))
+
+
+def wav_bytes(audio: Float32Array) -> bytes:
+    """16 kHz mono float audio as a 16-bit WAV file's bytes."""
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(SAMPLE_RATE_HZ)
+        out.writeframes(pcm_s16le_bytes(audio))
+    return buffer.getvalue()

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import logging
 import os
 import statistics
 import time
-import wave
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -42,13 +40,14 @@ from bench.capacity import (
     run_count,
     window_2s_ms_p50,
 )
+from bench.corpus import wav_bytes
 from bench.engine import speech_dir, write_results
 from bench.latency_audio import Float32Array, long_recordings
 from server.core.engine_api import DecodeOptions
 from server.core.long_form import FALLBACK_TEMPERATURES
 from server.engine.engine import Engine, EngineConfig
 from server.engine.offline import transcribe_audio
-from server.protocol.audio import pcm_s16le_bytes, read_audio_file
+from server.protocol.audio import read_audio_file
 from server.protocol.formats import SAMPLE_RATE_HZ
 
 logger = logging.getLogger("bench.uploads")
@@ -68,16 +67,6 @@ class UploadConfig:
     def __post_init__(self) -> None:
         if self.seconds <= 0 or self.upload_s <= 0 or self.live < 1 or not self.beams:
             raise ValueError("seconds, upload_s > 0; live >= 1; at least one beam size")
-
-
-def wav(audio: Float32Array) -> bytes:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(SAMPLE_RATE_HZ)
-        out.writeframes(pcm_s16le_bytes(audio))
-    return buffer.getvalue()
 
 
 def recordings(config: UploadConfig) -> tuple[Float32Array, Float32Array]:
@@ -114,7 +103,7 @@ async def one_beam(
     streams, _ = build_streams(sweep, config.live)
     out: dict[str, Any] = {"beam_size": beam}
     async with who.process() as server:
-        piece_wav = wav(piece)
+        piece_wav = wav_bytes(piece)
         idle = [await post(who.port, piece_wav) for _ in range(IDLE_REPEATS)]
         wall = statistics.median(t for t, _ in idle)
         out["idle"] = {
@@ -126,7 +115,7 @@ async def one_beam(
         }
         logger.info("beam %d idle: %s", beam, json.dumps(out["idle"]))
         alone = await run_count(who, server, streams, config.live)
-        upload = asyncio.create_task(post(who.port, wav(long)))
+        upload = asyncio.create_task(post(who.port, wav_bytes(long)))
         beside = await run_count(who, server, streams, config.live)
         upload_s, text = await upload
         out["live"] = {

@@ -50,7 +50,7 @@ from tests.helpers import (
     scripted_server,
     stream_frames,
 )
-from tests.test_http_front import wav_bytes
+from tests.test_http_front import noise_wav
 
 if TYPE_CHECKING:
     from server.engine.engine import Engine
@@ -703,7 +703,7 @@ async def test_tls(tmp_path: Path) -> None:
         async with httpx.AsyncClient(verify=context, timeout=WAIT_S) as client:
             answer = await client.post(
                 srv.http_url + "/v1/audio/transcriptions",
-                files={"file": ("a.wav", wav_bytes(2.0), "audio/wav")},
+                files={"file": ("a.wav", noise_wav(2.0), "audio/wav")},
                 data={"model": "m"},
             )
         assert srv.http_url.startswith("https://")

@@ -7,9 +7,7 @@ and ``diarize=true`` with the real speaker encoder on two shared readers
 from __future__ import annotations
 
 import asyncio
-import io
 import json
-import wave
 from http import HTTPStatus
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from deepgram.core.api_error import ApiError
 from deepgram.environment import DeepgramClientEnvironment
 from websockets.datastructures import Headers
 
-from bench.corpus import ManifestRow, load_clip, wer
+from bench.corpus import ManifestRow, load_clip, wav_bytes, wer
 from server.apis.deepgram_prerecorded import DeepgramFileApi, ListenJob
 from server.apis.files import FileRequestError, Finished, ModelFacts
 from server.config import ServerConfig
@@ -39,16 +37,6 @@ def environment(ws_base: str) -> DeepgramClientEnvironment:
     """The SDK's endpoints, all on our server (as in tests/test_deepgram_live.py)."""
     http = "http" + ws_base.removeprefix("ws")
     return DeepgramClientEnvironment(base=http, production=ws_base, agent=ws_base, agent_rest=http)
-
-
-def wav_bytes(audio: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(SAMPLE_RATE_HZ)
-        out.writeframes(pcm_s16le_bytes(audio))
-    return buffer.getvalue()
 
 
 @pytest.mark.asyncio(loop_scope="session")  # the speakers_server_url fixture's loop

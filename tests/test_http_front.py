@@ -5,11 +5,9 @@ scripted engine) over real sockets, with the bytes on the wire checked."""
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import subprocess
 import sys
-import wave
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 import pytest_asyncio
 from websockets.asyncio.client import connect
 
-from server.protocol.audio import pcm_s16le_bytes
+from bench.corpus import wav_bytes
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.serve.app import WhisperwireServer
 from tests.helpers import REPO, scripted_server
@@ -25,16 +23,12 @@ from tests.helpers import REPO, scripted_server
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-def wav_bytes(seconds: float) -> bytes:
+def noise_wav(seconds: float) -> bytes:
+    """Faint noise as a WAV file: the scripted engine hears a word per half second of it."""
     rng = np.random.default_rng(0)
-    audio = (0.1 * rng.standard_normal(round(seconds * SAMPLE_RATE_HZ))).astype(np.float32)
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(SAMPLE_RATE_HZ)
-        w.writeframes(pcm_s16le_bytes(audio))
-    return buffer.getvalue()
+    return wav_bytes(
+        (0.1 * rng.standard_normal(round(seconds * SAMPLE_RATE_HZ))).astype(np.float32)
+    )
 
 
 def multipart(fields: dict[str, str], file: bytes, boundary: str = "b0undary") -> bytes:
@@ -84,7 +78,7 @@ async def server() -> AsyncIterator[WhisperwireServer]:
 
 
 async def test_a_post_and_a_stream_share_the_port(server: WhisperwireServer) -> None:
-    body = multipart({"model": "whisper-1"}, wav_bytes(3.0))
+    body = multipart({"model": "whisper-1"}, noise_wav(3.0))
     async with connect(server.url + "/v1/stream") as ws:
         assert json.loads(await ws.recv())["type"] == "ready"
         answer = await exchange(server, post_head("/v1/audio/transcriptions", len(body)) + body)
@@ -155,7 +149,7 @@ async def test_a_chunked_body_over_the_limit_gets_413(server: WhisperwireServer)
 
 
 async def test_expect_100_continue_is_answered_before_the_body(server: WhisperwireServer) -> None:
-    body = multipart({"model": "whisper-1"}, wav_bytes(1.0))
+    body = multipart({"model": "whisper-1"}, noise_wav(1.0))
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(post_head("/v1/audio/transcriptions", len(body), "Expect: 100-continue"))
     await writer.drain()
@@ -180,7 +174,7 @@ async def test_a_refused_request_is_not_asked_for_its_body() -> None:
 
 async def test_stream_true_sends_server_sent_events_chunked(server: WhisperwireServer) -> None:
     # 70 s: three 30 s windows, so three deltas before the done event.
-    body = multipart({"model": "m", "stream": "true"}, wav_bytes(70.0))
+    body = multipart({"model": "m", "stream": "true"}, noise_wav(70.0))
     answer = await exchange(server, post_head("/v1/audio/transcriptions", len(body)) + body)
     head, _, payload = answer.partition(b"\r\n\r\n")
     assert status_of(answer) == 200
@@ -203,14 +197,14 @@ async def test_the_front_under_uvloop_serves_both_kinds() -> None:
     code = """
 import asyncio, json, uvloop
 from tests.helpers import scripted_server
-from tests.test_http_front import exchange, multipart, post_head, wav_bytes
+from tests.test_http_front import exchange, multipart, noise_wav, post_head
 from websockets.asyncio.client import connect
 
 async def main():
     async with scripted_server() as server:
         async with connect(server.url + "/v1/stream") as ws:
             print(json.loads(await ws.recv())["type"])
-        body = multipart({"model": "m"}, wav_bytes(2.0))
+        body = multipart({"model": "m"}, noise_wav(2.0))
         answer = await exchange(server, post_head("/v1/audio/transcriptions", len(body)) + body)
         print(json.loads(answer.partition(b"\\r\\n\\r\\n")[2])["text"])
 

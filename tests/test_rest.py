@@ -15,7 +15,7 @@ from server.config import ServerConfig
 from server.core.engine_api import SpeechEngine
 from server.serve.app import WhisperwireServer
 from tests.helpers import ScriptedEngine, scripted_server
-from tests.test_http_front import exchange, multipart, post_head, wav_bytes
+from tests.test_http_front import exchange, multipart, noise_wav, post_head
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -29,9 +29,9 @@ async def post(
     **headers: str,
 ) -> httpx.Response:
     if path == "/v1/listen":
-        content, kind = wav_bytes(seconds), "audio/wav"
+        content, kind = noise_wav(seconds), "audio/wav"
     else:
-        content = multipart({"model": "whisper-1"}, wav_bytes(seconds))
+        content = multipart({"model": "whisper-1"}, noise_wav(seconds))
         kind = "multipart/form-data; boundary=b0undary"
     async with httpx.AsyncClient(timeout=WAIT_S) as client:
         return await client.post(
@@ -102,7 +102,7 @@ async def test_a_client_that_leaves_stops_its_transcription() -> None:
     async with scripted_server(engine) as server:
         engine.entered.clear()  # set by the startup calibration
         engine.release.clear()
-        body = multipart({"model": "m"}, wav_bytes(100.0))  # four 30 s windows
+        body = multipart({"model": "m"}, noise_wav(100.0))  # four 30 s windows
         _, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(post_head("/v1/audio/transcriptions", len(body)) + body)
         await writer.drain()
