@@ -136,3 +136,24 @@ async def test_a_shutdown_lets_an_upload_in_progress_finish() -> None:
         await stopping
     assert answer.status_code == 200
     assert json.loads(answer.content)["text"].split()[:2] == ["w0", "w1"]
+
+
+async def test_a_page_of_an_allowed_origin_may_upload_from_the_browser() -> None:
+    page = "https://captions.example"
+    async with scripted_server(allowed_origins=(page,)) as server:
+        async with httpx.AsyncClient(timeout=WAIT_S) as client:
+            preflight = await client.options(
+                server.http_url + "/v1/audio/transcriptions",
+                headers={"Origin": page, "Access-Control-Request-Method": "POST"},
+            )
+            stranger = await client.options(
+                server.http_url + "/v1/audio/transcriptions",
+                headers={"Origin": "https://evil.example"},
+            )
+        answer = await post(server, Origin=page)
+    assert preflight.status_code == 204
+    assert preflight.headers["Access-Control-Allow-Origin"] == page
+    assert "POST" in preflight.headers["Access-Control-Allow-Methods"]
+    assert "Authorization" in preflight.headers["Access-Control-Allow-Headers"]
+    assert stranger.status_code == 403
+    assert answer.status_code == 200 and answer.headers["Access-Control-Allow-Origin"] == page

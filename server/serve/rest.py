@@ -117,17 +117,21 @@ class RestApp:
         route = self._routes.get(request.path)
         if route is None:
             return response(HTTPStatus.NOT_FOUND, f"not found: {request.path[:100]}\n")
+        config = self._server.config
+        if request.method == "OPTIONS":
+            return self._preflight(request)
         if request.method != "POST":
             return self._error(
                 route,
+                request,
                 HTTPStatus.METHOD_NOT_ALLOWED,
                 f"{request.path} takes POST",
-                headers={"Allow": "POST"},
+                headers={"Allow": "POST, OPTIONS"},
             )
-        config = self._server.config
         if not self._server.ready:
             return self._error(
                 route,
+                request,
                 HTTPStatus.SERVICE_UNAVAILABLE,
                 "the server is not ready; retry later",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
@@ -138,15 +142,17 @@ class RestApp:
         ):
             return self._error(
                 route,
+                request,
                 HTTPStatus.UNAUTHORIZED,
                 "missing or wrong API key",
                 headers={"WWW-Authenticate": 'Bearer realm="whisperwire"'},
             )
         if not origin_allowed(handshake, config.allowed_origins, tls=config.tls):
-            return self._error(route, HTTPStatus.FORBIDDEN, "this Origin may not connect")
+            return self._error(route, request, HTTPStatus.FORBIDDEN, "this Origin may not connect")
         if self.running >= config.max_file_requests:
             return self._error(
                 route,
+                request,
                 HTTPStatus.SERVICE_UNAVAILABLE,
                 f"the server is decoding {self.running} upload(s), its limit; retry later",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
@@ -184,10 +190,12 @@ class RestApp:
                 None, functools.partial(_audio, job)
             )
         except FileRequestError as exc:
-            await reply.send(self._error(route, exc.status, str(exc), param=exc.param))
+            await reply.send(self._error(route, request, exc.status, str(exc), param=exc.param))
             return
         except MediaError as exc:
-            await reply.send(self._error(route, HTTPStatus.BAD_REQUEST, str(exc), param="file"))
+            await reply.send(
+                self._error(route, request, HTTPStatus.BAD_REQUEST, str(exc), param="file")
+            )
             return
         prompt = engine.encode_text(" " + job.prompt.strip()) if job.prompt.strip() else ()
         # The server's beam size, for the windows decoded at temperature 0 (sampled ones,
@@ -197,7 +205,7 @@ class RestApp:
         log = logging.LoggerAdapter(logger, {"request_id": request_id})
         log.info("%s: %.1f s of audio", request.path, recording.duration_s)
         if job.stream:
-            await reply.start(HTTPStatus.OK, SSE_HEADERS)
+            await reply.start(HTTPStatus.OK, SSE_HEADERS | self._cors(request))
             async for segments in transcribe_on_lanes(pipeline, recording):
                 if segments:
                     await reply.chunk(route.api.render_delta(segments))
@@ -236,13 +244,14 @@ class RestApp:
                 HTTPStatus.OK,
                 rendered.body,
                 rendered.content_type,
-                headers={"X-Request-Id": request_id},
+                headers={"X-Request-Id": request_id, **self._cors(request)},
             )
         )
 
     def _error(
         self,
         route: FileRoute,
+        request: HttpRequest,
         status: HTTPStatus,
         message: str,
         *,
@@ -251,7 +260,35 @@ class RestApp:
     ) -> Response:
         self._server.metrics.file_requests.inc(1, str(status.value))
         rendered = route.api.render_error(status, message, param)
+        headers = (headers or {}) | self._cors(request)
         return response(status, rendered.body, rendered.content_type, headers=headers)
+
+    def _cors(self, request: HttpRequest) -> dict[str, str]:
+        """CORS headers for a page of an allowed Origin (``--allowed-origin``) that uploads
+        from the browser; none for other clients, which send no Origin."""
+        origin = request.headers.get("Origin")
+        config = self._server.config
+        if origin is None or not origin_allowed(
+            request.as_handshake(), config.allowed_origins, tls=config.tls
+        ):
+            return {}
+        return {
+            "Access-Control-Allow-Origin": origin,
+            "Access-Control-Expose-Headers": "Retry-After, X-Request-Id",
+            "Vary": "Origin",
+        }
+
+    def _preflight(self, request: HttpRequest) -> Response:
+        """The answer to a browser's CORS preflight: which requests may follow, or 403."""
+        cors = self._cors(request)
+        if not cors:
+            return response(HTTPStatus.FORBIDDEN, "this Origin may not upload here\n")
+        allow = {
+            "Access-Control-Allow-Methods": "POST",
+            "Access-Control-Allow-Headers": "Authorization, Content-Type",
+            "Access-Control-Max-Age": "600",
+        }
+        return response(HTTPStatus.NO_CONTENT, b"", headers=cors | allow)
 
 
 def _audio(job: FileJob) -> Float32Array:
