@@ -148,6 +148,12 @@ class PipelineConfig:
     max_queued_windows: int = 256  # windows waiting for a decode lane; more wait upstream
     capacity_hop_s: float = 1.0  # the longest a stream may wait between two of its decodes
     capacity_utilization: float = 0.8  # share of that hop the decode lanes may plan to be busy
+    # Time the startup calibration's engine calls on this process's CPU time where that is
+    # less than their wall time: on the CPU backend (``server.serve.cli`` sets it there) a
+    # call's work is this process's, and wall time would count the time other processes held
+    # the cores as what a stream costs, and bound the estimate by it for the server's life.
+    # Off for a GPU, whose work is not CPU time.
+    calibrate_on_cpu_time: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.decode_lanes <= MAX_DECODE_LANES:

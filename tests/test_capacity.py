@@ -314,6 +314,14 @@ def feed(m: CapacityModel, phase: str, *, catch_up: bool = True) -> None:
         m.observe(call[0], call[1], call[2] if catch_up and len(call) > 2 else ())
 
 
+def test_a_calibration_slower_than_the_round_budget_bounds_the_estimate_at_one() -> None:
+    m = CapacityModel(hop_s=1.0, utilization=0.8, max_batch_size=8)
+    m.seed([4.0], 0.9)  # one 4 s window alone overruns the 0.8 s budget
+    assert m.calibrated_bounds() == (1, 1)  # was (1, 0), which set_bounds refused
+    m.set_bounds(1, 1, "startup calibration")
+    assert m.streams(limit=32) == 1
+
+
 def test_at_an_idle_start_the_estimate_is_the_calibrations_and_bounded_by_it() -> None:
     m = recorded_model()
     start = m.streams(limit=32)

@@ -776,6 +776,7 @@ async def test_four_sessions_at_once_on_two_fresh_instances_are_all_served(
                     round(wer(reference(manifest, f), r.text), 3)
                     for f, r in zip(BURST_CLIPS, results, strict=True)
                 ]
+            figures["after_readyz"] = [(await i.get("/readyz"))[1] for i in instances]
     finally:
         await stop_all(instances)
         figures["logs"] = [i.log_tail(8) for i in instances]

@@ -624,3 +624,24 @@ async def test_a_file_call_still_queued_at_close_fails() -> None:
     with pytest.raises(DecodeError, match="shutting down"):
         await upload
     first.cancel()
+
+
+async def test_the_calibration_on_cpu_time_leaves_out_the_time_a_lane_waited_off_its_core() -> None:
+    """The scripted engine's cost is a sleep: time off the CPU, as a lane spends waiting for a
+    core another process holds. Timed on the wall (the default, and a GPU's), each window
+    costs more than the round budget: one stream, floor and ceiling (such a calibration used
+    to stop the server: a ceiling of 0). Timed on CPU time (``calibrate_on_cpu_time``, the
+    CPU backend's), the wait is not what a stream costs."""
+    bounds: dict[bool, tuple[int | None, int | None]] = {}
+    for cpu_time in (False, True):
+        engine = ScriptedEngine(window_cost_s=0.85)  # over the 0.8 s round budget
+        pipeline = Pipeline(PipelineConfig(max_batch_size=1, calibrate_on_cpu_time=cpu_time))
+        await pipeline.start(lambda: engine)  # noqa: B023 (awaited within the iteration)
+        try:
+            assert len(engine.batches) == 3  # the calibration's calls
+            bounds[cpu_time] = (pipeline.capacity.floor, pipeline.capacity.ceiling)
+        finally:
+            await pipeline.close()
+    assert bounds[False] == (1, 1)
+    ceiling = bounds[True][1]
+    assert ceiling is not None and ceiling >= 10, bounds  # a scripted window costs ~no CPU

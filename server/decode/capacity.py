@@ -282,11 +282,12 @@ class CapacityModel:
 
     def calibrated_bounds(self) -> tuple[int, int] | None:
         """The floor and ceiling the seeds alone imply: their estimate (noise decodes fewer
-        tokens than speech: speech never costs less) and that over ``SPEECH_OVER_NOISE``;
-        None before any seed."""
+        tokens than speech: speech never costs less) and that over ``SPEECH_OVER_NOISE``,
+        each at least 1 (a window that alone overruns the round budget is still served, late,
+        as ``measured_streams`` says); None before any seed."""
         if self._seed_fit is None:
             return None
-        ceiling = self._streams_of(self._seed_fit, self.default_window_s, _UNBOUNDED)
+        ceiling = max(1, self._streams_of(self._seed_fit, self.default_window_s, _UNBOUNDED))
         return max(1, math.floor(ceiling / SPEECH_OVER_NOISE)), ceiling
 
     @property

@@ -75,11 +75,16 @@ class EngineConfig:
 AUTO_LANES_MAX = 8  # each lane holds a copy of the model
 
 
+def computes_on_cpu() -> bool:
+    """Whether engine calls run on this process's CPU cores (MLX's CPU backend), not a GPU."""
+    return bool(mx.default_device() == mx.cpu)
+
+
 def default_decode_lanes() -> int:
     """Decode lanes to run by default: one per core this process may use on the CPU backend
     (each lane's engine calls keep one core busy on one BLAS thread), at most
     ``AUTO_LANES_MAX``; one on a GPU, which the lanes would only share."""
-    if mx.default_device() != mx.cpu:
+    if not computes_on_cpu():
         return 1
     affinity = getattr(os, "sched_getaffinity", None)
     cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)

@@ -323,11 +323,12 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(f"cannot label speakers: {exc}")
 
     # Imported here: the engine pulls in MLX, which --help does not need.
-    from server.engine.engine import default_decode_lanes
+    from server.engine.engine import computes_on_cpu, default_decode_lanes
     from server.serve.app import run_server
 
     if args.decode_lanes is None:
         pipeline = replace(pipeline, decode_lanes=default_decode_lanes())
+    pipeline = replace(pipeline, calibrate_on_cpu_time=computes_on_cpu())
     try:
         _run(
             run_server(
