@@ -11,8 +11,8 @@ temperature fallback) three times:
 - vocabulary: prompted with the clip's own missed terms, the way a user lists the names
   and terms their audio holds (a missed term: a word of 5 letters or more of the reference
   that the plain decode does not have; capitalised as the model writes names);
-- unrelated: prompted with another clip's missed terms, the vocabulary of a different talk,
-  to see that a prompt that does not fit does no harm.
+- unrelated: prompted with the missed terms of a clip from another source (another reader,
+  another subject), to see what a prompt that does not fit does.
 
 Reported: how many of the missed terms each decode has, and the WER of each over all clips.
 Writes ``bench/results/vocabulary.json``; the last line printed is one JSON object.
@@ -73,7 +73,10 @@ def run(beam_size: int) -> dict[str, Any]:
         clip["terms"] = missed_terms(clip["reference"], clip["plain"])
     with_terms = [c for c in clips if c["terms"]]
     for k, clip in enumerate(with_terms):
-        other = with_terms[(k + 1) % len(with_terms)]
+        # The next clip of another source: a talk on another subject, by another reader.
+        source = clip["file"].split("/")[0]
+        others = with_terms[k + 1 :] + with_terms[:k]
+        other = next((c for c in others if c["file"].split("/")[0] != source), others[0])
         clip["vocabulary"] = decode(
             engine, clip["audio"], beam_size, ", ".join(t.title() for t in clip["terms"])
         )
