@@ -379,3 +379,26 @@ def wav_bytes(audio: Float32Array) -> bytes:
 def write_wav(path: Path, audio: Float32Array) -> None:
     """``wav_bytes`` written to ``path``."""
     path.write_bytes(wav_bytes(audio))
+
+
+class GatedSpeakerEncoder:
+    """The real speaker encoder behind a gate: each ``embed_many`` call waits for
+    ``release`` (set by default), then runs; ``batches`` records the pieces each call got."""
+
+    def __init__(self) -> None:
+        from server.speakers.encoder import SpeakerEncoder
+
+        self.encoder = SpeakerEncoder.load()
+        self.release = threading.Event()
+        self.release.set()
+        self.entered = threading.Event()  # a call is waiting at the gate, or past it
+        self.batches: list[int] = []
+
+    def embed_windows(self, audio: Float32Array, starts: list[int]) -> Float32Array:
+        return self.embed_many([(audio, starts)])[0]
+
+    def embed_many(self, pieces: Sequence[tuple[Float32Array, list[int]]]) -> list[Float32Array]:
+        self.batches.append(len(pieces))
+        self.entered.set()
+        self.release.wait()
+        return self.encoder.embed_many(pieces)

@@ -22,12 +22,13 @@ from bench.corpus import load_clip
 from server.config import PipelineConfig
 from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult
 from server.core.session import DecodeJob, Session
+from server.core.speakers import EmbedJob
 from server.decode.pipeline import Pipeline
 from server.decode.stream_driver import DriverOutcome, StreamDriver
 from server.protocol.errors import DecodeError
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.protocol.messages import ErrorMessage, FinalMessage, ServerMessage
-from tests.helpers import GatedEngine, ScriptedEngine, pcm_frames
+from tests.helpers import GatedEngine, GatedSpeakerEncoder, ScriptedEngine, pcm_frames
 
 # Fixtures run on the session's loop (asyncio_default_fixture_loop_scope); so must the tests,
 # or the pipeline a fixture started would post its results to a loop that is not running.
@@ -254,6 +255,64 @@ async def test_close_fails_queued_windows_and_ends_the_worker(
         with pytest.raises(DecodeError, match="shutting down"):
             await future
     assert not pipeline.ready
+
+
+# --------------------------------------------------------------------------- speakers
+
+
+def embed_job(audio: np.ndarray, k: int) -> EmbedJob:
+    starts = tuple(range(0, 3 * 6400, 6400))  # three 1.6 s windows, 0.4 s apart
+    return EmbedJob(f"s{k}", k, audio[k * 8000 : k * 8000 + 38_400], 0, starts)
+
+
+async def test_speaker_jobs_that_wait_go_through_the_encoder_in_one_batch(
+    speech_dir: Path,
+) -> None:
+    """While the encoder works on one stream's windows, three more streams' jobs wait; they
+    go through it together, and each gets the vectors it would have got alone."""
+    audio = load_clip(speech_dir / "misc_en/jfk.wav")
+    encoder = GatedSpeakerEncoder()
+    pipeline = Pipeline(PipelineConfig())
+    pipeline.speakers = encoder
+    try:
+        encoder.release.clear()
+        jobs = [embed_job(audio, k) for k in range(4)]
+        first = asyncio.ensure_future(pipeline.embed(jobs[0]))
+        await asyncio.to_thread(encoder.entered.wait, WAIT_S)
+        rest = [asyncio.ensure_future(pipeline.embed(job)) for job in jobs[1:]]
+        await asyncio.sleep(0)  # every job is in before the gate opens
+        encoder.release.set()
+        vectors = await asyncio.wait_for(asyncio.gather(first, *rest), WAIT_S)
+    finally:
+        encoder.release.set()
+        await pipeline.close()
+    assert encoder.batches == [1, 3]
+    for job, got in zip(jobs, vectors, strict=True):
+        alone = encoder.encoder.embed_windows(job.audio, list(job.starts))
+        np.testing.assert_allclose(got, alone, atol=1e-5)
+
+
+async def test_close_fails_the_speaker_jobs_in_the_encoder_and_waiting(
+    speech_dir: Path,
+) -> None:
+    audio = load_clip(speech_dir / "misc_en/jfk.wav")
+    encoder = GatedSpeakerEncoder()
+    pipeline = Pipeline(PipelineConfig())
+    pipeline.speakers = encoder
+    encoder.release.clear()
+    try:
+        running = asyncio.ensure_future(pipeline.embed(embed_job(audio, 0)))
+        await asyncio.to_thread(encoder.entered.wait, WAIT_S)
+        waiting = asyncio.ensure_future(pipeline.embed(embed_job(audio, 1)))
+        await asyncio.sleep(0)
+        await asyncio.wait_for(pipeline.close(), WAIT_S)
+    finally:
+        encoder.release.set()
+    for future in (running, waiting):
+        with pytest.raises(RuntimeError, match="shutting down"):
+            await future
+    with pytest.raises(RuntimeError, match="shutting down"):
+        await pipeline.embed(embed_job(audio, 2))
 
 
 # --------------------------------------------------------------------------- StreamDriver

@@ -23,6 +23,7 @@ to whoever runs it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -86,6 +87,10 @@ class SpeakerEmbedder(Protocol):
     ``starts`` (zero-padded past its end). Called from worker threads."""
 
     def embed_windows(self, audio: Float32Array, starts: list[int]) -> Float32Array: ...
+
+    def embed_many(self, pieces: Sequence[tuple[Float32Array, list[int]]]) -> list[Float32Array]:
+        """``embed_windows`` of each (audio, starts) piece, in one batch."""
+        ...
 
 
 @dataclass(frozen=True)

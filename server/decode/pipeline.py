@@ -137,6 +137,9 @@ _CALIBRATION_NOISE_LEVEL = 0.01  # faint noise, like Engine.warmup's
 # A window in flight on lanes that died this many times fails instead of going round again:
 # it may be what kills them.
 _MAX_LOST_LANES = 2
+# The speaker encoder's largest batch: a burst (a file sent at --pace 0) is cut into batches so
+# that other streams' windows are not held behind it for long.
+MAX_EMBED_BATCH_WINDOWS = 64
 _REVIVE_BACKOFF_S = (1.0, 5.0, 30.0)  # between attempts to replace a dead process lane
 
 
@@ -163,9 +166,16 @@ class Pipeline:
         self._features_pool = ThreadPoolExecutor(
             max_workers=self.config.feature_workers, thread_name_prefix="whisperwire-features"
         )
-        # The speaker encoder, when the server labels speakers (``--speakers``); its windows
-        # run in the feature threads: numpy, which releases the GIL, and small beside a decode.
+        # The speaker encoder, when the server labels speakers (``--speakers``). Its windows run
+        # in a thread of their own, every stream's waiting windows in one batch (``embed``):
+        # in the feature threads, four streams' jobs one by one held up the decodes' features.
         self.speakers: SpeakerEmbedder | None = None
+        self._speakers_pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="whisperwire-speakers"
+        )
+        self._embed_waiting: list[tuple[EmbedJob, asyncio.Future[Float32Array]]] = []
+        self._embed_batch: list[asyncio.Future[Float32Array]] = []  # the batch in the thread
+        self._embedding: asyncio.Task[None] | None = None
         # (job.created_at, sequence, request): the stalest window is at the top.
         self._heap: list[tuple[float, int, _QueuedJob]] = []
         self._sequence = itertools.count()
@@ -345,6 +355,14 @@ class Pipeline:
         await asyncio.gather(*(slot.lane.stop() for slot in self._lanes))
         # Nothing is queued on the pool any more: every caller awaited its features.
         self._features_pool.shutdown(wait=False, cancel_futures=True)
+        if self._embedding is not None:
+            self._embedding.cancel()
+            await asyncio.wait({self._embedding})
+        for future in [*self._embed_batch, *(f for _, f in self._embed_waiting)]:
+            if not future.done():
+                future.set_exception(RuntimeError("the server is shutting down"))
+        self._embed_waiting.clear()
+        self._speakers_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _calibrate(self, lane: ThreadLane) -> None:
         """Time a few engine calls on noise windows into the capacity model (after warmup:
@@ -390,14 +408,50 @@ class Pipeline:
         return Window(mel, job.request)
 
     async def embed(self, job: EmbedJob) -> Float32Array:
-        """A speaker job's d-vectors, computed in the feature thread pool. Raises
-        RuntimeError when the server has no speaker encoder."""
+        """A speaker job's d-vectors. Jobs that wait while the encoder is busy go through it
+        together, in one batch (at most ``MAX_EMBED_BATCH_WINDOWS`` windows, and at least one
+        job), in the speakers' thread. Raises RuntimeError when the server has no speaker
+        encoder or is shutting down, and what the encoder raises."""
         if self.speakers is None:
             raise RuntimeError("this server has no speaker encoder (--speakers)")
+        if self._closed:
+            raise RuntimeError("the server is shutting down")
+        future: asyncio.Future[Float32Array] = asyncio.get_running_loop().create_future()
+        self._embed_waiting.append((job, future))
+        if self._embedding is None or self._embedding.done():
+            self._embedding = asyncio.create_task(
+                self._embed_batches(self.speakers), name="whisperwire-speakers"
+            )
+        return await future
+
+    async def _embed_batches(self, speakers: SpeakerEmbedder) -> None:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._features_pool, self.speakers.embed_windows, job.audio, list(job.starts)
-        )
+        while self._embed_waiting:
+            waiting = [(j, f) for j, f in self._embed_waiting if not f.done()]  # not cancelled
+            batch: list[tuple[EmbedJob, asyncio.Future[Float32Array]]] = []
+            windows = 0
+            for job, future in waiting:
+                if batch and windows + len(job.starts) > MAX_EMBED_BATCH_WINDOWS:
+                    break
+                batch.append((job, future))
+                windows += len(job.starts)
+            self._embed_waiting = waiting[len(batch) :]
+            if not batch:
+                continue
+            self._embed_batch = [future for _, future in batch]
+            pieces = [(job.audio, list(job.starts)) for job, _ in batch]
+            try:
+                vectors = await loop.run_in_executor(
+                    self._speakers_pool, speakers.embed_many, pieces
+                )
+            except (ArithmeticError, ValueError, MemoryError, RuntimeError) as exc:
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (_, future), result in zip(batch, vectors, strict=True):
+                if not future.done():
+                    future.set_result(result)
 
     async def enqueue(
         self,

@@ -22,8 +22,11 @@ window's volume the same way (see ``embed_windows``).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -169,6 +172,35 @@ def partial_slices(n_samples: int, rate_hz: float = 1.3, min_coverage: float = 0
     return slices
 
 
+def single_threaded_numpy_blas() -> bool:
+    """Make numpy's own OpenBLAS (the ``scipy-openblas`` copy in ``numpy.libs``, not the one
+    MLX is given) use one thread; False when it cannot be found.
+
+    The encoder's step is a (batch, 256) x (256, 1024) product, 480 of them a window. With
+    numpy's default of a thread per core, its workers spin for each one: on our shared 2-core
+    machines a window took 24-56 ms and four windows 170-720 ms, against 12 and 42 ms on one
+    thread (the same spinning slowed decoding 6-8x, ``server.engine.blas``)."""
+    libs = Path(np.__file__).resolve().parent.parent / "numpy.libs"
+    for lib in sorted(libs.glob("libscipy_openblas*.so*")) + sorted(libs.glob("libopenblas*.so*")):
+        try:
+            handle = ctypes.CDLL(str(lib))
+        except OSError:
+            continue
+        for name in (
+            "scipy_openblas_set_num_threads64_",
+            "scipy_openblas_set_num_threads",
+            "openblas_set_num_threads64_",
+            "openblas_set_num_threads",
+        ):
+            setter = getattr(handle, name, None)
+            if setter is not None:
+                setter(ctypes.c_int(1))
+                logger.info("numpy's OpenBLAS (%s) set to one thread", lib.name)
+                return True
+    logger.warning("numpy's OpenBLAS was not found: the speaker encoder may run slowly")
+    return False
+
+
 def _sigmoid(x: Float32Array) -> Float32Array:
     # tanh form: no overflow warning for large negative inputs, and one ufunc fewer.
     y: Float32Array = (0.5 + 0.5 * np.tanh(0.5 * x)).astype(np.float32, copy=False)
@@ -217,12 +249,12 @@ class SpeakerEncoder:
             outputs = np.empty((batch, n_frames, hidden), dtype=np.float32)
             for t in range(n_frames):
                 gates = projected[:, t] + h @ w_hh_t
-                i = _sigmoid(gates[:, :hidden])
-                f = _sigmoid(gates[:, hidden : 2 * hidden])
+                # One sigmoid over all four gates (g's is unused): a step is ~10 numpy calls,
+                # whose overhead, not their arithmetic, is most of a small batch's time.
+                s = _sigmoid(gates)
                 g = np.tanh(gates[:, 2 * hidden : 3 * hidden])
-                o = _sigmoid(gates[:, 3 * hidden :])
-                c = f * c + i * g
-                h = o * np.tanh(c)
+                c = s[:, hidden : 2 * hidden] * c + s[:, :hidden] * g
+                h = s[:, 3 * hidden :] * np.tanh(c)
                 outputs[:, t] = h
             x = outputs
         raw = np.maximum(h @ self._linear_t + self.weights.linear_bias, 0.0)
@@ -250,16 +282,31 @@ class SpeakerEncoder:
         Each window's volume is raised to -30 dBFS on its own, as ``preprocess_wav`` raises a
         whole utterance: the network's input is a power spectrum, so a quiet window would
         otherwise read as a different voice. Its pauses stay (see the module docstring)."""
-        if not starts:
-            return np.zeros((0, self.embedding_size), dtype=np.float32)
-        windows = np.zeros((len(starts), PARTIAL_SAMPLES), dtype=np.float32)
-        for k, start in enumerate(starts):
-            piece = audio[start : start + PARTIAL_SAMPLES]
-            windows[k, : piece.size] = normalize_volume(piece)
+        return self.embed_many([(audio, starts)])[0]
+
+    def embed_many(self, pieces: Sequence[tuple[Float32Array, list[int]]]) -> list[Float32Array]:
+        """``embed_windows`` of several (audio, starts) pieces -- several streams' windows --
+        in one batch through the network: a batch of ten costs little more than one."""
+        count = sum(len(starts) for _, starts in pieces)
+        if not count:
+            return [np.zeros((0, self.embedding_size), dtype=np.float32) for _ in pieces]
+        windows = np.zeros((count, PARTIAL_SAMPLES), dtype=np.float32)
+        k = 0
+        for audio, starts in pieces:
+            for start in starts:
+                piece = audio[start : start + PARTIAL_SAMPLES]
+                windows[k, : piece.size] = normalize_volume(piece)
+                k += 1
         # One centred STFT per window, as resemblyzer's mel of a 1.6 s wav; its extra last
         # frame is dropped so that each partial is the network's 160 frames.
         mels = np.stack([mel_spectrogram(w)[:PARTIAL_FRAMES] for w in windows])
-        return self.embed_mels(mels)
+        vectors = self.embed_mels(mels)
+        out: list[Float32Array] = []
+        k = 0
+        for _, starts in pieces:
+            out.append(vectors[k : k + len(starts)])
+            k += len(starts)
+        return out
 
 
 def _normalized(v: Float32Array) -> Float32Array:
