@@ -33,6 +33,8 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from client.reconnect import RetryPolicy, stream_with_reconnect
 from client.render import FORMATS, Renderer, TerminalRenderer, format_stats, make_renderer
@@ -45,9 +47,18 @@ from client.sources import (
     StdinSource,
 )
 from client.stream import DEFAULT_URL, ClientError, StreamResult
-from client.subtitles import build_cues, srt_document, vtt_document, words_from_pieces
+from client.subtitles import (
+    build_cues,
+    speaker_lines,
+    srt_document,
+    vtt_document,
+    words_from_pieces,
+)
 from server.protocol.errors import ModelError, WhisperwireError
 from server.protocol.formats import ENCODINGS, SAMPLE_RATE_HZ, TASKS
+
+if TYPE_CHECKING:
+    from server.core.engine_api import WordTiming
 
 logger = logging.getLogger("client.cli")
 
@@ -190,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=5,
         help="beam search width; 1 decodes greedily (default: %(default)s)",
+    )
+    transcribe.add_argument(
+        "--speakers",
+        action="store_true",
+        help="label who is speaking: [S1] where the speaker changes, one line per turn "
+        "(text), a speaker per cue (<v S1> in vtt, [S1] in srt)",
     )
     transcribe.add_argument(
         "--no-fallback",
@@ -359,7 +376,7 @@ def _run_transcribe_command(args: argparse.Namespace) -> int:
             model=args.model,
             language=language,
             task=args.task,
-            word_timestamps=subtitles,
+            word_timestamps=subtitles or args.speakers,
             beam_size=args.beam_size,
             temperatures=(0.0,) if args.no_fallback else FALLBACK_TEMPERATURES,
         )
@@ -369,15 +386,48 @@ def _run_transcribe_command(args: argparse.Namespace) -> int:
     except (OSError, WhisperwireError) as exc:
         _fail(f"error: {exc}")
         return EXIT_FAILED
+    speakers: list[int | None] = [None] * len(transcript.words)
+    if args.speakers:
+        try:
+            speakers = _speakers_of(args.file, transcript.words)
+        except (OSError, ValueError, WhisperwireError) as exc:
+            _fail(f"error: cannot label speakers: {exc}")
+            return EXIT_FAILED
     _prepare_stdout(args.format)
+    words = words_from_pieces(
+        (w.word, w.start_s, w.end_s, speaker)
+        for w, speaker in zip(transcript.words, speakers, strict=True)
+    )
     if subtitles:
-        words = words_from_pieces((w.word, w.start_s, w.end_s) for w in transcript.words)
         cues = build_cues(words)
         sys.stdout.write(srt_document(cues) if args.format == "srt" else vtt_document(cues))
+    elif args.speakers:
+        sys.stdout.write(speaker_lines(words))
     else:
         sys.stdout.write(transcript.text.strip() + "\n")
     sys.stdout.flush()
     return EXIT_OK
+
+
+def _speakers_of(path: str, words: Sequence[WordTiming]) -> list[int | None]:
+    """Each word's speaker, by the server's speaker tracker over the recording as if it were
+    streamed (``server.core.recording_speakers``), in this process."""
+    from server.config import VadConfig
+    from server.core.speakers import SpeakerConfig
+    from server.decode.file_speakers import label_words
+    from server.protocol.audio import read_audio_file
+    from server.speakers.encoder import SpeakerEncoder, single_threaded_numpy_blas
+
+    single_threaded_numpy_blas()
+    audio = read_audio_file(path)
+    labels = label_words(
+        audio,
+        words,
+        SpeakerEncoder.load(),
+        vad=VadConfig(),
+        config=SpeakerConfig(enabled=True),
+    )
+    return [None if label is None else label.speaker for label in labels]
 
 
 if __name__ == "__main__":

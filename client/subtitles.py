@@ -124,15 +124,18 @@ def _merge(words: list[TimedWord], piece: TimedWord) -> None:
     words[-1] = replace(last, text=last.text + piece.text, end_s=max(last.end_s, piece.end_s))
 
 
-def words_from_pieces(pieces: Iterable[tuple[str, float, float]]) -> list[TimedWord]:
+def words_from_pieces(
+    pieces: Iterable[tuple[str, float, float] | tuple[str, float, float, int | None]],
+) -> list[TimedWord]:
     """Whisper's word timings as subtitle words.
 
-    Each piece is ``(text, start_s, end_s)`` with Whisper's leading space; a piece without one
-    (a "," after " dinner", "-fatened" after " flower") belongs to the word before it.
+    Each piece is ``(text, start_s, end_s)`` with Whisper's leading space, or with the
+    speaker fourth; a piece without a leading space (a "," after " dinner", "-fatened" after
+    " flower") belongs to the word before it.
     """
     words: list[TimedWord] = []
-    for text, start_s, end_s in pieces:
-        piece = TimedWord(text.strip(), start_s, end_s)
+    for text, start_s, end_s, *speaker in pieces:
+        piece = TimedWord(text.strip(), start_s, end_s, speaker=speaker[0] if speaker else None)
         if not piece.text:
             continue
         if words and not text[:1].isspace():
@@ -195,6 +198,18 @@ def speaker_name(speaker: int) -> str:
 def speaker_tag(speaker: int) -> str:
     """The label SubRip and the terminal put before a new speaker's words: ``[S1]``."""
     return f"[{speaker_name(speaker)}]"
+
+
+def speaker_lines(words: Sequence[TimedWord]) -> str:
+    """A transcript with speakers: a line per turn, led by its speaker's tag (``[S1] ...``)."""
+    lines: list[str] = []
+    current: int | None = None
+    for word in words:
+        if not lines or (word.speaker is not None and word.speaker != current):
+            current = word.speaker
+            lines.append("" if current is None else speaker_tag(current))
+        lines[-1] = join_text(lines[-1], word.text)
+    return "".join(line + "\n" for line in lines)
 
 
 def join_text(before: str, after: str) -> str:

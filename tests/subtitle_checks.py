@@ -24,6 +24,7 @@ _VTT_TIMES = re.compile(
     r"(\d{2,}):([0-5]\d):([0-5]\d)\.(\d{3}) --> (\d{2,}):([0-5]\d):([0-5]\d)\.(\d{3})(?: .*)?"
 )
 _VTT_ENTITY = re.compile(r"&(amp|lt|gt|nbsp|lrm|rlm);")
+_VTT_VOICE = re.compile(r"<v ([^>]+)>")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class ReadCue:
     start_s: float
     end_s: float
     lines: tuple[str, ...]
+    voice: str | None = None  # WebVTT: the cue's voice span (<v S1>...</v>), without it
 
     @property
     def text(self) -> str:
@@ -78,13 +80,17 @@ def read_vtt(text: str) -> list[ReadCue]:
         assert times is not None, f"not a WebVTT cue: {block!r}"
         payload = lines[1:]
         assert payload and all(line.strip() for line in payload), block
+        voice = _VTT_VOICE.match(payload[0])
+        if voice is not None:  # a voice span around the whole cue
+            assert payload[-1].endswith("</v>"), block
+            payload = "\n".join(payload)[voice.end() : -len("</v>")].split("\n")
         for line in payload:
             assert "-->" not in line and "<" not in line, line
             assert "&" not in _VTT_ENTITY.sub("", line), f"unescaped & in {line!r}"
         unescaped = tuple(
             line.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&") for line in payload
         )
-        cues.append(ReadCue(*_times(times), unescaped))
+        cues.append(ReadCue(*_times(times), unescaped, voice[1] if voice else None))
     return cues
 
 

@@ -23,7 +23,7 @@ import soxr
 
 from bench.corpus import ManifestRow, load_clip, read_manifest, wer
 from client.subtitles import CueConfig
-from tests.helpers import pcm_frames
+from tests.helpers import pcm_frames, two_readers, write_wav
 from tests.subtitle_checks import read_srt, read_vtt, rule_violations
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -183,6 +183,26 @@ async def test_transcribe_writes_subtitles_from_word_times(
     cues = read_srt(run.stdout)
     assert len(cues) >= 2 and rule_violations(cues, CueConfig()) == [], run.stdout
     assert wer(reference(manifest, JFK), " ".join(c.text for c in cues)) <= MAX_WER_CLIP
+
+
+async def test_transcribe_labels_speakers_in_text_and_subtitles(
+    speech_dir: Path, tmp_path: Path
+) -> None:
+    """``transcribe --speakers`` on two shared readers: a line per turn led by its speaker
+    (S1, then S2 at the second reader); in VTT, S1's voice before the change, S2's after."""
+    talk = two_readers(speech_dir)
+    path = tmp_path / "two_readers.wav"
+    write_wav(path, talk.audio)
+    run = await whisperwire("transcribe", str(path), "--speakers")
+    assert run.status == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("[S1] This question"), run.stdout
+    assert lines[1].startswith("[S2] For although"), run.stdout
+    vtt = await whisperwire("transcribe", str(path), "--speakers", "--format", "vtt")
+    assert vtt.status == 0, vtt.stderr
+    voices = [cue.voice for cue in read_vtt(vtt.stdout)]
+    first_s2 = voices.index("S2")
+    assert set(voices[:first_s2]) == {"S1"} and set(voices[first_s2:]) == {"S2"}, voices
 
 
 @pytest.mark.slow

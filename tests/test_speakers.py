@@ -148,3 +148,22 @@ def test_an_utterance_closed_before_its_windows_were_planned_is_not_covered() ->
     _, _, starts = planned
     tracker.receive(starts, None)
     assert tracker.covered(40_000)
+
+
+def test_a_word_in_the_pause_before_an_open_utterance_goes_to_the_nearer_one(
+    speech_dir: Path, encoder: SpeakerEncoder
+) -> None:
+    """Whisper stretches the last word of a turn through the pause after it: its middle
+    lies in the gap, nearer the first reader's end than the second's start. While the second
+    utterance is still open it must not win for being open (it did: S2 got the word)."""
+    a = load_clip(speech_dir / READER_A)
+    b = load_clip(speech_dir / READER_B)
+    gap = np.zeros(16_000, np.float32)
+    audio = np.concatenate([a, gap, b])
+    tracker = SpeakerTracker(SpeakerConfig())
+    tracker.open_utterance(0)
+    tracker.close_utterance(a.size)
+    tracker.open_utterance(a.size + gap.size)  # still open: the second reader goes on
+    run(tracker, audio, encoder)
+    assert tracker.label(a.size + gap.size // 4).speaker == 0  # type: ignore[union-attr]
+    assert tracker.label(a.size + gap.size + 16_000).speaker == 1  # type: ignore[union-attr]

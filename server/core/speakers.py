@@ -338,10 +338,16 @@ class SpeakerTracker:
         the VAD's bounds."""
         if not self._utterances:
             return None
-        return min(
-            self._utterances,
-            key=lambda u: min(abs(sample - u.start), abs(sample - (u.end or sample))),
-        )
+
+        def distance(u: _Utterance) -> int:
+            # An open utterance reaches on to the stream's end: a word before it is as far
+            # from it as from its start (Whisper stretches an utterance's last word through
+            # the pause after it, so its middle often lies in the gap before the next one).
+            if sample < u.start:
+                return u.start - sample
+            return 0 if u.end is None else max(0, sample - u.end)
+
+        return min(self._utterances, key=distance)
 
     @property
     def all_planned(self) -> bool:
