@@ -79,6 +79,7 @@ class SweepConfig:
     # Ours: stream each of the largest N's streams alone too, so that every N's WER is held
     # against the same recordings streamed alone (#13's "within 1 point" target).
     alone: bool = True
+    server_args: tuple[str, ...] = ()  # ours: further flags (``--speakers``)
 
     def __post_init__(self) -> None:
         if not self.counts or min(self.counts) < 1:
@@ -601,7 +602,7 @@ async def run(config: SweepConfig) -> dict[str, Any]:
         "loadavg_start": os.getloadavg(),
         "servers": {},
     }
-    contenders = [Contender("ours", None, config.decode_lanes)]
+    contenders = [Contender("ours", None, config.decode_lanes, config.server_args)]
     if config.peer:
         if (PEER_VENV / "bin" / "python").is_file():
             peer = PeerConfig(model_path=default_model_path())
@@ -631,6 +632,11 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-lanes", type=int, default=None, help="our server's lanes (default: its auto)"
     )
     parser.add_argument(
+        "--server-args",
+        default="",
+        help="further flags for our server, space-separated (e.g. '--speakers')",
+    )
+    parser.add_argument(
         "--output", default="capacity", help="results name in bench/results (default %(default)s)"
     )
     args = parser.parse_args(argv)
@@ -642,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         alone=not args.no_alone,
         output_name=args.output,
         decode_lanes=args.decode_lanes,
+        server_args=tuple(args.server_args.split()),
     )
     started = time.perf_counter()
     results = asyncio.run(run(config))

@@ -3,6 +3,10 @@
 Audio arrives at 1x real time; while a decode runs, the clock advances by the decode's wall
 time, so the audio that arrives meanwhile is fed before the next decode -- exactly what a
 single-stream server would see. Used by the streaming-core tests and the latency benchmark.
+
+With a speaker encoder (``speakers``; the session's ``StreamingConfig.speakers`` enabled), the
+session's speaker jobs run as soon as it hands them out, and their time is charged to the
+clock too: a server runs them beside the decodes, so this is the slower bound.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy.typing as npt
 from server.config import StreamingConfig, VadConfig
 from server.core.engine_api import Window
 from server.core.session import DecodeJob, Session, SessionEvent
+from server.core.speakers import SpeakerEmbedder
 from server.engine.engine import Engine
 from server.protocol.audio import pcm_s16le_bytes
 from server.protocol.formats import SAMPLE_RATE_HZ
@@ -35,6 +40,7 @@ class TimedEvent:
 class SimulationResult:
     events: list[TimedEvent] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
+    embed_s: list[float] = field(default_factory=list)  # speaker encoder calls
     audio_s: float = 0.0
 
     @property
@@ -109,6 +115,7 @@ def simulate(
     vad: VadConfig | None = None,
     session_id: str = "sim",
     decode_cost_s: Callable[[DecodeJob], float] | None = None,
+    speakers: SpeakerEmbedder | None = None,
 ) -> SimulationResult:
     """Stream ``audio`` through a fresh session; see the module docstring.
 
@@ -132,6 +139,16 @@ def simulate(
             ended = True
         for m in session.events_to_send():
             result.events.append(TimedEvent(clock, m))
+        if speakers is not None:
+            while (embed := session.next_speaker_job()) is not None:
+                started = time.perf_counter()
+                vectors = speakers.embed_windows(embed.audio, list(embed.starts))
+                spent = time.perf_counter() - started
+                result.embed_s.append(spent)
+                clock += spent
+                session.receive_embeddings(embed, vectors)
+            for m in session.events_to_send():
+                result.events.append(TimedEvent(clock, m))
         job = session.next_job()
         if job is None:
             if ended and not session.done and not session.busy:

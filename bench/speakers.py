@@ -15,12 +15,19 @@ speech + false alarm + confusion over reference speech, a 0.25 s collar around e
 reference boundary not scored, the best one-to-one mapping of labels to readers) and the
 share of reference speech labelled with its reader's mapped label.
 
+``--words MODEL`` streams the 2-speaker conversations (the same ones, seed 0) through a real
+``Session`` with Whisper (``bench.simulate``: audio at 1x, decode and encoder time charged to
+the clock) and scores the share of Whisper's final words given their reader's speaker (the
+reader whose turn holds the word's middle, the nearest turn for a word in a gap; the best
+one-to-one mapping of labels to readers), over all words and outside the 0.25 s collar;
+each conversation is streamed with speakers off too, for the final latency either way.
+
 ``--calibrate`` sweeps the new-speaker threshold and the change threshold over a set of
 conversations (seed 1) and reports DER and one-speaker purity per value; the defaults in
 ``SpeakerConfig`` are the values chosen there, and the main run (seed 0) scores them on other
 conversations. ``--encoder-speed`` times the encoder in numpy and in MLX.
 
-    python -m bench.speakers [--conversations 8] [--calibrate] [--encoder-speed]
+    python -m bench.speakers [--conversations 8] [--calibrate] [--encoder-speed] [--words tiny.en]
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from server.config import VadConfig
 from server.core.speakers import SpeakerConfig, SpeakerTracker
 from server.core.vad import SpeechEnded, SpeechStarted, VadSegmenter
 from server.protocol.formats import SAMPLE_RATE_HZ
-from server.speakers.encoder import SpeakerEncoder
+from server.speakers.encoder import SpeakerEncoder, single_threaded_numpy_blas
 
 Float32Array = npt.NDArray[np.float32]
 RESULTS = Path(__file__).parent / "results"
@@ -267,6 +274,104 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def word_speakers(
+    pools: dict[str, list[Float32Array]],
+    encoder: SpeakerEncoder,
+    config: SpeakerConfig,
+    model: str,
+    *,
+    seed: int,
+    conversations: int,
+) -> dict[str, Any]:
+    """Whisper's words with the right speaker, on the 2-speaker conversations of ``run_set``
+    (the same ``seed``), and one stream's final latency with speakers on and off."""
+    from bench.latency_metrics import p50_p95_ms
+    from bench.simulate import simulate
+    from server.config import StreamingConfig
+    from server.engine.engine import Engine, EngineConfig
+
+    engine = Engine.load(EngineConfig(model=model))
+    engine.warmup()
+    rng = random.Random(seed)
+    names = sorted(pools)
+    rows = []
+    latency: dict[str, list[float]] = {"on": [], "off": []}
+    for k in range(conversations):
+        readers = rng.sample(names, 2)
+        audio, truth = conversation(pools, readers, rng, TURNS)
+        on = simulate(
+            engine,
+            audio,
+            streaming=StreamingConfig(speakers=config),
+            speakers=encoder,
+            session_id=f"on{k}",
+        )
+        off = simulate(engine, audio, session_id=f"off{k}")
+        latency["on"] += on.final_latencies_s()
+        latency["off"] += off.final_latencies_s()
+        words = [w for f in on.finals for w in f.words]
+        row = score_words(truth, [((w.start + w.end) / 2, w.speaker) for w in words])
+        row |= {"readers": readers, "encoder_s": round(sum(on.embed_s), 2)}
+        logging.info("words %d: %s", k, row)
+        rows.append(row)
+    total = sum(r["words"] for r in rows)
+    outside = sum(r["words_outside_collar"] for r in rows)
+    report: dict[str, Any] = {
+        "model": model,
+        "conversations": len(rows),
+        "words": total,
+        "right_speaker_words": round(sum(r["right"] for r in rows) / max(total, 1), 4),
+        "right_speaker_words_outside_collar": round(
+            sum(r["right_outside_collar"] for r in rows) / max(outside, 1), 4
+        ),
+        "unlabelled_words": sum(r["unlabelled"] for r in rows),
+        "rows": rows,
+    }
+    for key, values in latency.items():
+        report[f"final_latency_speakers_{key}"] = p50_p95_ms(values)
+    return report
+
+
+def score_words(truth: list[Turn], words: list[tuple[float, int | None]]) -> dict[str, Any]:
+    """Words (middle s, speaker) against the turns: how many have their reader's speaker
+    under the best mapping, in all and outside the collar around turn boundaries."""
+    readers = sorted({t.speaker for t in truth})
+
+    def reader_at(t: float) -> int:
+        turn = min(
+            truth,
+            key=lambda u: (
+                0.0 if u.start_s <= t < u.end_s else min(abs(t - u.start_s), abs(t - u.end_s))
+            ),
+        )
+        return readers.index(turn.speaker)
+
+    def near_edge(t: float) -> bool:
+        return any(min(abs(t - u.start_s), abs(t - u.end_s)) < COLLAR_S for u in truth)
+
+    ref = [reader_at(t) for t, _ in words]
+    labels = sorted({s for _, s in words if s is not None})
+    best: dict[int, int] = {}
+    best_right = -1
+    for perm in itertools.permutations(range(max(len(readers), len(labels))), len(labels)):
+        mapping = dict(zip(labels, perm, strict=True))
+        right = sum(
+            1 for (_, s), r in zip(words, ref, strict=True) if s is not None and mapping[s] == r
+        )
+        if right > best_right:
+            best, best_right = mapping, right
+    ok = [s is not None and best.get(s) == r for (_, s), r in zip(words, ref, strict=True)]
+    inner = [not near_edge(t) for t, _ in words]
+    return {
+        "words": len(words),
+        "right": sum(ok),
+        "words_outside_collar": sum(inner),
+        "right_outside_collar": sum(o for o, i in zip(ok, inner, strict=True) if i),
+        "unlabelled": sum(s is None for _, s in words),
+        "speakers_found": len(labels),
+    }
+
+
 def calibrate(
     pools: dict[str, list[Float32Array]], encoder: SpeakerEncoder, conversations: int
 ) -> list[dict[str, Any]]:
@@ -345,6 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conversations", type=int, default=8, help="per speaker count")
     parser.add_argument("--calibrate", action="store_true")
     parser.add_argument("--encoder-speed", action="store_true")
+    parser.add_argument(
+        "--words",
+        metavar="MODEL",
+        help="also score Whisper's words on the 2-speaker conversations with this model",
+    )
+    parser.add_argument("--skip-der", action="store_true", help="only --words (and speed)")
     parser.add_argument("--set", nargs="*", default=[], help="SpeakerConfig FIELD=VALUE")
     parser.add_argument("--out", type=Path, default=RESULTS / "speakers.json")
     args = parser.parse_args(argv)
@@ -353,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     if speech is None:
         sys.stderr.write("shared/speech not found\n")
         return 1
+    single_threaded_numpy_blas()  # as the server does with --speakers
     encoder = SpeakerEncoder.load()
     pools = reader_pools(speech)
     config = SpeakerConfig(enabled=True)
@@ -369,11 +481,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibrate:
         report["calibration"] = calibrate(pools, encoder, args.conversations)
     began = time.perf_counter()
-    report |= run_set(pools, encoder, config, seed=0, conversations=args.conversations)
+    if args.words:
+        report["words"] = word_speakers(
+            pools, encoder, config, args.words, seed=0, conversations=args.conversations
+        )
+    if not args.skip_der:
+        report |= run_set(pools, encoder, config, seed=0, conversations=args.conversations)
     report["wall_s"] = round(time.perf_counter() - began, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
+    if args.words:
+        w = report["words"]
+        sys.stdout.write(
+            f"words ({w['model']}, {w['conversations']} 2-speaker conversations): right speaker "
+            f"{w['right_speaker_words']:.3f} of {w['words']}, outside the collar "
+            f"{w['right_speaker_words_outside_collar']:.3f}; final latency p95 speakers on "
+            f"{w['final_latency_speakers_on']['p95_ms']} ms, off "
+            f"{w['final_latency_speakers_off']['p95_ms']} ms\n"
+        )
     for key in ("2_speakers", "3_speakers", "4_speakers", "1_speaker"):
+        if key not in report:
+            continue
         r = report[key]
         sys.stdout.write(
             f"{key}: DER {r['der_mean']:.3f} (confusion {r['confusion_mean']:.3f}, missed "
