@@ -334,7 +334,9 @@ def encode_audio(audio: Float32Array, suffix: str, rate_hz: int = 48_000) -> byt
 @dataclass(frozen=True)
 class Conversation:
     """Two readers, one after the other: ``audio`` (16 kHz) and the time between their
-    turns (the middle of the pause, or the seam when they follow each other at once)."""
+    turns (the middle of the pause, or the seam when they follow each other at once). A
+    word is the first reader's when it starts before it: Whisper stretches the first turn's
+    last word through the pause, so its end says nothing."""
 
     audio: Float32Array
     boundary_s: float

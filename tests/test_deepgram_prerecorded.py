@@ -56,7 +56,7 @@ async def test_diarize_gives_words_and_utterances_their_readers_speaker(
     words = answer.results.channels[0].alternatives[0].words
     assert len(words) > 20
     for w in words:
-        assert w.speaker == (0 if w.end <= talk.boundary_s else 1), (w, talk.boundary_s)
+        assert w.speaker == (0 if w.start < talk.boundary_s else 1), (w, talk.boundary_s)
         assert w.speaker_confidence is not None and 0 <= w.speaker_confidence <= 1
     utterances = answer.results.utterances or []
     assert utterances and {u.speaker for u in utterances} == {0, 1}

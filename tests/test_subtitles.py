@@ -454,7 +454,7 @@ async def test_live_subtitles_of_two_readers_carry_their_voices(
     vtt_cues = files["vtt"].split("\n\n")[1:-1]
     assert len(vtt_cues) == len(cues)
     for cue, block in zip(cues, vtt_cues, strict=True):
-        voice = "<v S1>" if cue.end_s <= talk.boundary_s + 0.5 else "<v S2>"
+        voice = "<v S1>" if cue.start_s < talk.boundary_s else "<v S2>"
         assert block.split("\n", 1)[1].startswith(voice), (block, talk.boundary_s)
 
 
