@@ -101,7 +101,8 @@ def exported_names(types: dict[str, str]) -> set[str]:
 
 async def real_page(open_sessions: int) -> tuple[str, list[str]]:
     """A server's /metrics with ``open_sessions`` sessions open, after one finished
-    session, an unauthorized and a refused-for-full handshake: (page, session ids)."""
+    session, an unauthorized handshake, a session told its message was bad and a
+    refused-for-full handshake: (page, session ids)."""
     config = ServerConfig(
         host="127.0.0.1",
         port=0,
@@ -118,23 +119,23 @@ async def real_page(open_sessions: int) -> tuple[str, list[str]]:
         with pytest.raises(InvalidStatus):
             async with connect(url):
                 pass
+        async with connect(url, additional_headers=bearer) as ws:  # a bad message: an error
+            await ws.recv()
+            await ws.send("{")
+            assert json.loads(await ws.recv())["type"] == "error"
         held = [await connect(url, additional_headers=bearer) for _ in range(open_sessions)]
         try:
             for ws in held:
                 ids.append(json.loads(await ws.recv())["session_id"])
                 await ws.send(pcm_frames(_tone(1.0))[0])
-            full = await stream_frames_refused(url, bearer)
-            assert full == "server_full"
+            with pytest.raises(InvalidStatus) as full:  # refused before the handshake
+                async with connect(url, additional_headers=bearer):
+                    pass
+            assert full.value.response.status_code == 503
             _, _, body = await http_get(server.http_url + "/metrics")
         finally:
             await asyncio.gather(*(ws.close() for ws in held))
     return body.decode(), ids
-
-
-async def stream_frames_refused(url: str, headers: dict[str, str]) -> str:
-    async with connect(url, additional_headers=headers) as ws:
-        message = json.loads(await ws.recv())
-    return str(message["code"])
 
 
 def _tone(seconds: float) -> Float32Array:
