@@ -9,7 +9,8 @@ runs it):
 1. Idle: a ``--seconds`` piece of a long English recording (cut at a pause) POSTed to
    ``/v1/audio/transcriptions`` three times, one after the other: wall time p50 and real-time
    factor, and whether the text is our offline decode's of the same audio (same beam size,
-   temperature fallback), word for word.
+   temperature fallback, cut into the same parts at pauses as the idle server cuts it to
+   decode them side by side, one per lane), word for word.
 2. Live: ``--live`` real-time streams (``bench-capacity``'s) alone, then the same streams again
    while a ``--upload-s`` recording is POSTed as they start: their final-latency p95 both ways
    (the upload's windows yield to theirs) and the upload's wall time.
@@ -44,11 +45,16 @@ from bench.corpus import wav_bytes
 from bench.engine import speech_dir, write_results
 from bench.latency_audio import Float32Array, long_recordings
 from server.core.engine_api import DecodeOptions
-from server.core.long_form import FALLBACK_TEMPERATURES
-from server.engine.engine import Engine, EngineConfig
-from server.engine.offline import transcribe_audio
+from server.core.long_form import (
+    FALLBACK_TEMPERATURES,
+    LongForm,
+    join_transcripts,
+    split_recording,
+)
+from server.engine.engine import Engine, EngineConfig, default_decode_lanes
 from server.protocol.audio import read_audio_file
 from server.protocol.formats import SAMPLE_RATE_HZ
+from server.serve.rest import MIN_PART_S
 
 logger = logging.getLogger("bench.uploads")
 
@@ -134,19 +140,24 @@ async def one_beam(
     return out
 
 
+def offline_text(engine: Engine, audio: Float32Array, beam: int, lanes: int) -> str:
+    """Our offline decode of ``audio`` in the parts an idle server with ``lanes`` lanes cuts
+    it into (``server.serve.rest``)."""
+    options = DecodeOptions(word_timestamps=False, beam_size=beam)
+    whole = LongForm(audio, options, FALLBACK_TEMPERATURES)
+    parts = split_recording(whole, max(1, min(lanes, int(whole.duration_s // MIN_PART_S))))
+    for part in parts:
+        while (job := part.next_window()) is not None:
+            part.take(*engine.transcribe_window(job.audio, job.request, job.temperatures))
+    return join_transcripts([p.transcript() for p in parts]).text
+
+
 async def run(config: UploadConfig) -> dict[str, Any]:
     piece, long = recordings(config)
     engine = Engine.load(EngineConfig())
     engine.warmup()
-    offline = {
-        beam: transcribe_audio(
-            engine,
-            piece,
-            DecodeOptions(word_timestamps=False, beam_size=beam),
-            FALLBACK_TEMPERATURES,
-        ).text
-        for beam in config.beams
-    }
+    lanes = default_decode_lanes()  # the server's --decode-lanes auto
+    offline = {beam: offline_text(engine, piece, beam, lanes) for beam in config.beams}
     del engine
     results: dict[str, Any] = {"config": asdict(config), "loadavg_start": os.getloadavg()}
     results["runs"] = [await one_beam(b, config, piece, long, offline[b]) for b in config.beams]

@@ -16,8 +16,11 @@ from server.core.engine_api import (
 from server.core.long_form import (
     WINDOW_SAMPLES,
     LongForm,
+    join_transcripts,
     join_word_pieces,
     needs_fallback,
+    pause_cuts,
+    split_recording,
 )
 from server.protocol.formats import SAMPLE_RATE_HZ
 
@@ -152,3 +155,37 @@ def test_temperatures_must_rise() -> None:
         LongForm(_audio(1.0), DecodeOptions(), (0.4, 0.0))
     with pytest.raises(ValueError, match="rising"):
         LongForm(_audio(1.0), DecodeOptions(), ())
+
+
+def test_a_recording_is_cut_in_its_pauses_near_the_even_points() -> None:
+    rng = np.random.default_rng(0)
+    audio = (0.3 * rng.standard_normal(60 * SAMPLE_RATE_HZ)).astype(np.float32)
+    # A pause 1 s before the middle, and one in the last third's search range.
+    audio[29 * SAMPLE_RATE_HZ : 29 * SAMPLE_RATE_HZ + 4800] = 0.0
+    (middle,) = pause_cuts(audio, 2)
+    assert 29 * SAMPLE_RATE_HZ <= middle < 29 * SAMPLE_RATE_HZ + 4800
+    cuts = pause_cuts(audio, 3)
+    assert len(cuts) == 3 - 1 and cuts == sorted(cuts)
+    for cut, even in zip(cuts, (20, 40), strict=True):
+        assert even * SAMPLE_RATE_HZ - 2 * SAMPLE_RATE_HZ <= cut <= even * SAMPLE_RATE_HZ
+
+
+def test_parts_keep_the_recordings_times_and_join_in_order() -> None:
+    whole = LongForm(_audio(60.0), DecodeOptions(word_timestamps=False), prompt=(9,))
+    first, second = split_recording(whole, 2)
+    assert first.start_s == 0.0 and second.start_s == pytest.approx(first.duration_s)
+    assert first.prompt == second.prompt == (9,)  # the user's prompt conditions every part
+    assert first.duration_s + second.duration_s == pytest.approx(60.0)
+    first.take(_result([TextSpan(0.0, 10.0, " one.", (1,))]), 0.0)
+    second.take(
+        _result(
+            [TextSpan(1.0, 4.0, " two.", (2,))],
+            (WordTiming(" two.", (2,), 1.0, 1.5, 0.9),),
+        ),
+        0.0,
+    )
+    joined = join_transcripts([first.transcript(), second.transcript()])
+    assert joined.text == "one. two."
+    assert [s.start_s for s in joined.spans] == [0.0, pytest.approx(second.start_s + 1.0)]
+    assert joined.words[0].start_s == pytest.approx(second.start_s + 1.0)
+    assert split_recording(whole, 1) == [whole]

@@ -11,6 +11,7 @@ Whisper's temperature fallback (``SpeechEngine.transcribe_window``): at the firs
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -34,6 +35,10 @@ PROMPT_TOKENS = 223  # Whisper conditions on at most half of the 448-token text 
 FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # Whisper's transcribe() defaults
 # Text decoded above this temperature is no context for the next window (Whisper's rule).
 PROMPT_RESET_TEMPERATURE = 0.5
+# A recording decoded in parts side by side is cut at the quietest 30 ms in the 2 s before
+# each even point.
+PAUSE_SEARCH_SAMPLES = 2 * SAMPLE_RATE_HZ
+PAUSE_FRAME_SAMPLES = 480
 
 
 def needs_fallback(result: DecodeResult, options: DecodeOptions) -> bool:
@@ -91,6 +96,7 @@ class LongForm:
     options: DecodeOptions
     temperatures: tuple[float, ...] = (0.0,)
     prompt: tuple[int, ...] = ()  # text before the audio (the user's prompt), as context
+    start_s: float = 0.0  # where ``audio`` begins in the recording (a part of it): times add it
     seek: int = 0
     language: str | None = None
     _context: list[int] = field(default_factory=list)
@@ -125,7 +131,7 @@ class LongForm:
         if self.options.language is None and result.language is not None:
             # Whisper detects the language once, on the first window, and keeps it.
             self.options = replace(self.options, language=result.language)
-        offset_s = self.seek / SAMPLE_RATE_HZ
+        offset_s = self.start_s + self.seek / SAMPLE_RATE_HZ
         advance = chunk_samples
         added: list[Segment] = []
         if result.is_speech and result.spans:
@@ -171,6 +177,55 @@ class LongForm:
         text = "".join(s.text for s in spans).strip()
         words = tuple(join_word_pieces(self._words))
         return Transcript(text, spans, self.language, words, tuple(self._segments))
+
+
+def pause_cuts(audio: Float32Array, parts: int) -> list[int]:
+    """Where to cut ``audio`` into ``parts`` pieces of about equal length that can be decoded
+    side by side: each cut in the quietest 30 ms of the ``PAUSE_SEARCH_S`` before its even
+    point, so no word is cut in two. Sample offsets, rising, without 0 and the end."""
+    total = int(audio.shape[0])
+    cuts: list[int] = []
+    for k in range(1, parts):
+        high = total * k // parts
+        low = max(cuts[-1] if cuts else 0, high - PAUSE_SEARCH_SAMPLES)
+        frames = (high - low) // PAUSE_FRAME_SAMPLES
+        if frames < 1:
+            cuts.append(high)
+            continue
+        pieces = audio[low : low + frames * PAUSE_FRAME_SAMPLES].reshape(frames, -1)
+        quietest = int(np.argmin(np.square(pieces).mean(axis=1)))
+        cuts.append(low + quietest * PAUSE_FRAME_SAMPLES + PAUSE_FRAME_SAMPLES // 2)
+    return cuts
+
+
+def split_recording(recording: LongForm, parts: int) -> list[LongForm]:
+    """``recording`` as ``parts`` recordings cut at pauses, each conditioned on the prompt
+    alone (the text before a cut is not known when its part starts), their times in the
+    whole's. One part: the recording itself."""
+    if parts <= 1:
+        return [recording]
+    bounds = [0, *pause_cuts(recording.audio, parts), int(recording.audio.shape[0])]
+    return [
+        LongForm(
+            recording.audio[a:b],
+            recording.options,
+            recording.temperatures,
+            prompt=recording.prompt,
+            start_s=recording.start_s + a / SAMPLE_RATE_HZ,
+        )
+        for a, b in itertools.pairwise(bounds)
+    ]
+
+
+def join_transcripts(parts: list[Transcript]) -> Transcript:
+    """The transcripts of a recording's parts, in order, as one."""
+    return Transcript(
+        " ".join(t.text for t in parts if t.text),
+        tuple(s for t in parts for s in t.spans),
+        next((t.language for t in parts if t.language is not None), None),
+        tuple(w for t in parts for w in t.words),
+        tuple(s for t in parts for s in t.segments),
+    )
 
 
 def join_word_pieces(words: list[WordTiming]) -> list[WordTiming]:

@@ -505,6 +505,12 @@ class Pipeline:
         """Background calls waiting for a lane, and on one."""
         return len(self._background) + self._background_running
 
+    @property
+    def background_lanes(self) -> int:
+        """Lanes background calls may use now: all while no stream is open, else all but
+        one (at least one)."""
+        return self.lanes if self._streams == 0 else max(1, self.lanes - 1)
+
     # -- scheduling ------------------------------------------------------------------------
     def _push(self, request: _QueuedJob) -> None:
         heapq.heappush(self._heap, (request.job.created_at, next(self._sequence), request))
@@ -595,8 +601,7 @@ class Pipeline:
         all but one lane, so a stream's window never waits behind a whole file)."""
         while self._background and self._background[0].future.done():
             self._background.popleft()  # cancelled by its caller
-        lanes = self.lanes if self._streams == 0 else max(1, self.lanes - 1)
-        return bool(self._background) and self._background_running < lanes
+        return bool(self._background) and self._background_running < self.background_lanes
 
     def _start_background(self) -> None:
         # The last idle lane: a child process's, leaving this process's lane (no pipe to

@@ -31,10 +31,10 @@ from websockets.http11 import Response
 from server.apis.files import FileJob, FileRequestError, FileRoute, Finished, ModelFacts
 from server.apis.registry import FILE_ROUTES
 from server.config import ServerConfig, StreamingConfig, VadConfig
-from server.core.long_form import LongForm
+from server.core.long_form import LongForm, join_transcripts, split_recording
 from server.core.speakers import SpeakerLabel
 from server.decode.file_speakers import label_words_in_thread
-from server.decode.file_transcription import transcribe_on_lanes
+from server.decode.file_transcription import transcribe_parts
 from server.decode.pipeline import Pipeline
 from server.metrics import Metrics
 from server.protocol.audio import PcmDecoder
@@ -53,6 +53,7 @@ Float32Array = npt.NDArray[np.float32]
 FORM_OVERHEAD_BYTES = 64 * 1024
 RETRY_AFTER_S = 5
 MAX_FILE_DURATION_S = 4 * 3600.0
+MIN_PART_S = 25.0  # an upload is cut into parts no shorter than this
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "X-Accel-Buffering": "no"}
 
 
@@ -202,17 +203,22 @@ class RestApp:
         # in the fallback or at the client's temperature, take best_of candidates instead).
         options = replace(job.options, beam_size=self._server.config.file_beam_size)
         recording = LongForm(audio, options, job.temperatures, prompt=prompt)
+        # Cut at pauses into parts decoded side by side, one per lane the streams leave free,
+        # none shorter than MIN_PART_S (a 60 s upload on two idle lanes: two 30 s windows at
+        # once); the text before a cut is not the next part's context.
+        count = min(pipeline.background_lanes, int(recording.duration_s // MIN_PART_S))
+        parts = split_recording(recording, max(1, count))
         log = logging.LoggerAdapter(logger, {"request_id": request_id})
         log.info("%s: %.1f s of audio", request.path, recording.duration_s)
         if job.stream:
             await reply.start(HTTPStatus.OK, SSE_HEADERS | self._cors(request))
-            async for segments in transcribe_on_lanes(pipeline, recording):
+            async for segments in transcribe_parts(pipeline, parts):
                 if segments:
                     await reply.chunk(route.api.render_delta(segments))
         else:
-            async for _ in transcribe_on_lanes(pipeline, recording):
+            async for _ in transcribe_parts(pipeline, parts):
                 pass
-        transcript = recording.transcript()
+        transcript = join_transcripts([part.transcript() for part in parts])
         labels: tuple[SpeakerLabel | None, ...] = ()
         if job.speakers and pipeline.speakers is not None:
             # The voices of the speech under the words, in a worker thread (file_speakers).
