@@ -25,7 +25,7 @@ import numpy.typing as npt
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from bench.corpus import ManifestRow
+from bench.corpus import ManifestRow, wav_bytes
 from server.config import PipelineConfig, ServerConfig, StreamingConfig
 from server.core.engine_api import (
     DecodeRequest,
@@ -360,22 +360,6 @@ def two_readers(speech_dir: Path, *, gap_s: float = 1.0) -> Conversation:
     tail = np.zeros(SAMPLE_RATE_HZ, np.float32)
     audio = np.concatenate([lead, a, gap, b, tail])
     return Conversation(audio, (lead.size + a.size + gap.size / 2) / SAMPLE_RATE_HZ)
-
-
-def wav_bytes(audio: Float32Array) -> bytes:
-    """16 kHz mono float audio as a 16-bit WAV file."""
-    import io
-    import wave
-
-    from server.protocol.audio import pcm_s16le_bytes
-
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(SAMPLE_RATE_HZ)
-        out.writeframes(pcm_s16le_bytes(audio))
-    return buffer.getvalue()
 
 
 def write_wav(path: Path, audio: Float32Array) -> None:

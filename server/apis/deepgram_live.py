@@ -35,6 +35,7 @@ import hashlib
 import json
 import unicodedata
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -112,27 +113,41 @@ class ListenOptions:
     diarize: bool = False  # words carry speaker and speaker_confidence
 
 
-def parse_options(path: str) -> ListenOptions:
-    """The options in a ``/v1/listen`` URL. Raises ``ValueError`` saying what is wrong."""
-    query = parse_qs(urlsplit(path).query, keep_blank_values=True)
-    unknown = sorted(set(query) - set(QUERY_PARAMETERS))
-    if unknown:
-        raise ValueError(
-            f"unsupported option(s): {', '.join(k[:40] for k in unknown[:5])}; this server takes "
-            f"{', '.join(QUERY_PARAMETERS)}"
-        )
+class ListenQuery:
+    """A ``/v1/listen`` URL's query (live or pre-recorded), checked against the options an
+    API takes; ``ValueError`` says what is wrong."""
 
-    def one(name: str) -> str | None:
-        values = query.get(name)
+    def __init__(self, target: str, allowed: Sequence[str]) -> None:
+        self.values = parse_qs(urlsplit(target).query, keep_blank_values=True)
+        unknown = sorted(set(self.values) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"unsupported option(s): {', '.join(k[:40] for k in unknown[:5])}; this "
+                f"server takes {', '.join(allowed)}"
+            )
+
+    def one(self, name: str) -> str | None:
+        """The option's last value, or None."""
+        values = self.values.get(name)
         return values[-1] if values else None
 
-    def flag(name: str, default: bool) -> bool:
-        value = one(name)
+    def every(self, name: str) -> list[str]:
+        """All the option's values, in order (Deepgram repeats ``keyterm``)."""
+        return list(self.values.get(name, []))
+
+    def flag(self, name: str, default: bool = False) -> bool:
+        value = self.one(name)
         if value is None:
             return default
         if value not in ("true", "false"):
             raise ValueError(f"{name} must be true or false; got {value[:20]!r}")
         return value == "true"
+
+
+def parse_options(path: str) -> ListenOptions:
+    """The options in a ``/v1/listen`` URL. Raises ``ValueError`` saying what is wrong."""
+    query = ListenQuery(path, QUERY_PARAMETERS)
+    one, flag = query.one, query.flag
 
     for name in OFF_ONLY:
         if flag(name, False):

@@ -23,13 +23,13 @@ import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from websockets.datastructures import Headers
 
 from server.apis.deepgram_live import (
     FILLER_WORDS,
     LISTEN_PATH,
+    ListenQuery,
     language_code,
     model_info,
     model_uuid,
@@ -102,24 +102,15 @@ class ListenJob(FileJob):
 
 class DeepgramFileApi:
     def parse(self, target: str, headers: Headers, body: bytes, model: ModelFacts) -> FileJob:
-        query = parse_qs(urlsplit(target).query, keep_blank_values=True)
-        unknown = sorted(set(query) - set(QUERY_PARAMETERS))
-        if unknown:
-            raise FileRequestError(
-                f"unsupported option(s): {', '.join(k[:40] for k in unknown[:5])}; this server "
-                f"takes {', '.join(QUERY_PARAMETERS)}"
-            )
+        try:
+            return self._job(ListenQuery(target, QUERY_PARAMETERS), headers, body, model)
+        except ValueError as exc:
+            raise FileRequestError(str(exc)) from exc
 
-        def one(name: str) -> str | None:
-            values = query.get(name)
-            return values[-1] if values else None
-
-        def flag(name: str) -> bool:
-            value = one(name)
-            if value not in (None, "true", "false"):
-                raise FileRequestError(f"{name} must be true or false; got {value[:20]!r}")
-            return value == "true"
-
+    def _job(
+        self, query: ListenQuery, headers: Headers, body: bytes, model: ModelFacts
+    ) -> ListenJob:
+        one, flag = query.one, query.flag
         for name in OFF_ONLY:
             if flag(name):
                 raise FileRequestError(f"{name}=true is not available on this server")
@@ -142,8 +133,8 @@ class DeepgramFileApi:
         detect = flag("detect_language")
         language = self._language(one("language"), detect, model)
         # keywords carry an optional ":intensifier"; the words themselves are the vocabulary.
-        vocabulary = [k.rsplit(":", 1)[0] for k in query.get("keywords", []) if k]
-        vocabulary += [k for k in query.get("keyterm", []) if k]
+        vocabulary = [k.rsplit(":", 1)[0] for k in query.every("keywords") if k]
+        vocabulary += [k for k in query.every("keyterm") if k]
         return ListenJob(
             body,
             DecodeOptions(language=language, word_timestamps=True),
@@ -157,7 +148,7 @@ class DeepgramFileApi:
             detect_language=detect,
             speakers=diarize,
             sha256=hashlib.sha256(body).hexdigest(),
-            extra=tuple(_pair(e) for e in query.get("extra", [])),
+            extra=tuple(_pair(e) for e in query.every("extra")),
         )
 
     @staticmethod
