@@ -772,7 +772,9 @@ async def test_speakers_get_a_colour_and_a_label_the_user_can_rename(
             await browser.close()
     assert not errors, errors
     lines = txt.splitlines()
-    assert lines[0].startswith("[S1] ") and any(x.startswith("[Alice] For although") for x in lines)
+    # Whisper capitalises a final's first word or not, as the window it came from began.
+    assert lines[0].startswith("[S1] ")
+    assert any(x.lower().startswith("[alice] for although") for x in lines), lines
     assert "[S1] " in srt and "[Alice] " in srt and "[S2]" not in srt
     assert "<v S1>" in vtt and "<v Alice>" in vtt and "<v S2>" not in vtt
 
