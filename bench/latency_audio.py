@@ -19,10 +19,9 @@ import numpy.typing as npt
 from bench.corpus import ManifestRow, read_manifest
 from bench.engine import speech_dir
 from bench.latency_metrics import RefWord, join_word_pieces
-from server.core.engine_api import DecodeOptions, DecodeRequest, Window
-from server.core.long_form import PROMPT_TOKENS
+from server.core.engine_api import DecodeOptions
+from server.core.long_form import LongForm
 from server.engine.engine import Engine
-from server.engine.features import N_FRAMES, N_SAMPLES
 from server.engine.offline import transcribe_audio
 from server.protocol.audio import read_audio_file
 from server.protocol.formats import SAMPLE_RATE_HZ
@@ -56,57 +55,21 @@ class Stream:
 
 
 def align_recording(engine: Engine, audio: Float32Array) -> Aligned:
-    """Offline text and word times of a whole recording in one pass.
-
-    This is ``transcribe_audio``'s long-form loop (30 s windows at full context, the text
-    before as prompt, the next window starting at the last complete segment) with word
-    timestamps on: they are computed after decoding, so the text is the offline text itself,
-    and one pass instead of two halves the alignment time. Each window's words are kept up to
-    where the next window starts.
-    """
-    options = DecodeOptions(word_timestamps=True)
-    hop = N_SAMPLES // N_FRAMES
-    seek = 0
-    context: list[int] = []
-    texts: list[str] = []
-    words: list[RefWord] = []
-    while seek < audio.shape[0]:
-        chunk = audio[seek : seek + N_SAMPLES]
-        if chunk.shape[0] < hop:
-            break
-        mel = engine.features(chunk, N_FRAMES)
-        window = Window(
-            mel,
-            DecodeRequest(
-                chunk.shape[0] / SAMPLE_RATE_HZ, options, prompt=tuple(context[-PROMPT_TOKENS:])
-            ),
-        )
-        result = engine.decode_windows([window])[0]
-        offset_s = seek / SAMPLE_RATE_HZ
-        advance = chunk.shape[0]
-        if result.is_speech and result.spans:
-            done = [s for s in result.spans if s.end_s >= 0]
-            tail = [s for s in result.spans if s.end_s < 0]
-            keep = list(result.spans)
-            if tail and done and chunk.shape[0] == N_SAMPLES:
-                advance = round(done[-1].end_s * SAMPLE_RATE_HZ)
-                keep = done
-            limit_s = advance / SAMPLE_RATE_HZ
-            for w in result.words:
-                # The unfinished last segment is decoded again from the next window.
-                if advance < chunk.shape[0] and w.start_s >= limit_s - 0.01:
-                    continue
-                words.append(RefWord(w.word, offset_s + w.start_s, offset_s + w.end_s))
-            for s in keep:
-                texts.append(s.text)
-                context.extend(s.tokens)
-        seek += max(advance, hop)
-    return Aligned("".join(texts).strip(), tuple(join_word_pieces(words)))
+    """Offline text and word times of a whole recording in one pass: ``transcribe_audio``'s
+    long-form loop (``server.core.long_form``) with word timestamps on. They are computed
+    after decoding, so the text is the offline text itself, and one pass instead of two
+    halves the alignment time."""
+    recording = LongForm(audio, DecodeOptions(word_timestamps=True))
+    while (job := recording.next_window()) is not None:
+        recording.take(*engine.transcribe_window(job.audio, job.request, job.temperatures))
+    transcript = recording.transcript()
+    words = [RefWord(w.word, w.start_s, w.end_s) for w in transcript.words]
+    return Aligned(transcript.text, tuple(join_word_pieces(words)))
 
 
 def check_offline_text(engine: Engine, audio: Float32Array, aligned: Aligned) -> None:
-    """Warn when ``align_recording`` no longer gives ``transcribe_audio``'s text (the loop in
-    server/engine/offline.py changed and this copy did not follow)."""
+    """Warn when ``align_recording`` no longer gives ``transcribe_audio``'s text (word
+    timestamps must not change the decode)."""
     text = transcribe_audio(engine, audio, DecodeOptions(word_timestamps=False)).text
     if text != aligned.text:
         logger.warning("offline text differs from transcribe_audio: %r != %r", aligned.text, text)
