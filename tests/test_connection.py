@@ -13,6 +13,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from server.config import ServerConfig, StreamingConfig, VadConfig
+from server.core.speakers import SpeakerConfig
 from server.decode.pipeline import Pipeline
 from server.metrics import Metrics
 from server.serve.connection import (
@@ -25,7 +26,9 @@ from tests.helpers import ScriptedEngine
 
 
 @contextlib.asynccontextmanager
-async def connection_server(**overrides: Any) -> AsyncIterator[tuple[str, list[Connection]]]:
+async def connection_server(
+    streaming: StreamingConfig | None = None, **overrides: Any
+) -> AsyncIterator[tuple[str, list[Connection]]]:
     """A websockets server on a free port that serves every client with a ``Connection``;
     yields its stream URL and the connections made so far."""
     config = ServerConfig(host="127.0.0.1", port=0, **overrides)
@@ -41,7 +44,7 @@ async def connection_server(**overrides: Any) -> AsyncIterator[tuple[str, list[C
             pipeline=pipeline,
             metrics=metrics,
             config=config,
-            streaming=StreamingConfig(),
+            streaming=streaming or StreamingConfig(),
             vad=VadConfig(),
         )
         connections.append(conn)
@@ -83,6 +86,24 @@ async def test_the_url_query_configures_the_session_and_ready_tells() -> None:
         "pcm_f32le",
         "scripted",
     )
+
+
+async def test_ready_says_whether_the_stream_gets_speaker_labels() -> None:
+    async def ready_speakers(url: str) -> bool:
+        async with connect(url) as ws:
+            ready = json.loads(await ws.recv())
+            await ws.send('{"type": "end"}')
+            assert json.loads(await ws.recv())["type"] == "done"
+        value = ready["speakers"]
+        assert isinstance(value, bool)
+        return value
+
+    async with connection_server() as (url, _):
+        assert await ready_speakers(url) is False
+    labelling = StreamingConfig(speakers=SpeakerConfig(enabled=True))
+    async with connection_server(labelling) as (url, _):
+        assert await ready_speakers(url) is True
+        assert await ready_speakers(url + "?speakers=false") is False
 
 
 async def test_a_bad_url_query_is_refused_with_1008() -> None:

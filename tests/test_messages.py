@@ -32,6 +32,7 @@ from server.protocol.messages import (
 SERVER_MESSAGES: list[ServerMessage] = [
     ReadyMessage("s-1", "tiny.en", 16000, "pcm_s16le", "en", "transcribe"),
     ReadyMessage("s-2", "base", 48000, "pcm_f32le", None, "translate", 0.0),
+    ReadyMessage("s-3", "tiny.en", 16000, "pcm_s16le", "en", "transcribe", speakers=True),
     SpeechStartedMessage(start=0.51, audio_received_s=0.6),
     SpeechEndedMessage(end=3.2, audio_received_s=3.9),
     PartialMessage(segment_id=0, text=" hello wor", start=0.51, end=1.2, audio_received_s=1.3),
@@ -77,8 +78,17 @@ def test_ready_json_is_compact_and_names_the_protocol() -> None:
     assert text == (
         '{"type":"ready","session_id":"abc","model":"tiny.en","sample_rate":16000,'
         '"encoding":"pcm_s16le","language":"en","task":"transcribe","protocol":"v1",'
-        '"audio_received_s":0.0}'
+        '"audio_received_s":0.0,"speakers":false}'
     )
+
+
+def test_ready_says_whether_speakers_are_labelled_and_older_servers_did_not() -> None:
+    ready = ReadyMessage("a", "m", 16000, "pcm_s16le", "en", "transcribe", speakers=True)
+    assert json.loads(ready.to_json())["speakers"] is True
+    older = json.loads(ready.to_json())
+    del older["speakers"]
+    parsed = parse_server_message(json.dumps(older))
+    assert isinstance(parsed, ReadyMessage) and parsed.speakers is False
 
 
 def test_floats_are_rounded_to_milliseconds() -> None:

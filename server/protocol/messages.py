@@ -110,6 +110,9 @@ class ReadyMessage:
     task: str
     audio_received_s: float = 0.0
     end_of_speech_ms: int | None = None  # the silence that ends an utterance, in effect
+    # Speaker labels on this stream's finals and words (a ``config`` may still turn them
+    # off); False from servers that predate the field.
+    speakers: bool = False
 
     def to_json(self) -> str:
         """Compact JSON, with ``"protocol": "v1"``."""
@@ -129,6 +132,7 @@ class ReadyMessage:
                     if self.end_of_speech_ms is not None
                     else {}
                 ),
+                "speakers": self.speakers,
             }
         )
 
@@ -427,6 +431,7 @@ def _parse_ready(f: _Fields) -> ReadyMessage:
         task=f.str_("task"),
         audio_received_s=f.float_("audio_received_s"),
         end_of_speech_ms=f.opt_int("end_of_speech_ms"),
+        speakers=f.opt_bool("speakers"),
     )
 
 

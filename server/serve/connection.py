@@ -200,6 +200,7 @@ class Connection:
                 language=session.language,
                 task=session.settings.task,
                 end_of_speech_ms=session.vad_config.speech_end_silence_ms,
+                speakers=session.labels_speakers,
             )
         )
         self.log.info(
