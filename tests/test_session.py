@@ -448,9 +448,12 @@ class TwoWordsEngine(ScriptedEngine):
         return dataclasses.replace(full, words=words, tokens=(1000, 1001), text=" w0 w1")
 
 
-def _stream_without_end(engine: ScriptedEngine, audio: np.ndarray) -> list[ServerMessage]:
-    """Audio in 0.1 s chunks, each decode answered at once; no ``end``, no closing silence."""
-    session = Session("open")
+def _stream_without_end(
+    engine: ScriptedEngine, audio: np.ndarray, session: Session | None = None
+) -> list[ServerMessage]:
+    """Audio in 0.1 s chunks, each decode answered at once; no ``end``, no closing silence
+    (no speaker jobs run either)."""
+    session = session or Session("open")
     events: list[ServerMessage] = []
     for chunk in range(0, audio.shape[0], SAMPLE_RATE_HZ // 10):
         session.feed_audio(pcm_s16le_bytes(audio[chunk : chunk + SAMPLE_RATE_HZ // 10]))
@@ -477,6 +480,22 @@ def test_a_last_word_followed_by_audio_is_final_before_the_segment_closes(
     assert not [e for e in events if isinstance(e, SpeechEndedMessage)]
     finals = " ".join(e.text for e in events if isinstance(e, FinalMessage))
     assert finals.split() == ["w0", "w1"]
+
+
+def test_a_stream_without_speaker_labels_never_holds_its_finals(speech_dir: Path) -> None:
+    """On a server that labels speakers, a stream that turned them off gets its finals as
+    one on a server without them; one that labels them waits for its speaker jobs (none are
+    run here)."""
+    audio = load_clip(speech_dir / OPEN_SPEECH_CLIP)[: int(OPEN_SPEECH_S * SAMPLE_RATE_HZ)]
+    labelling = StreamingConfig(speakers=SpeakerConfig(enabled=True))
+    off = Session("off", streaming=labelling)
+    off.configure(StreamSettings(speakers=False))
+    events = _stream_without_end(TwoWordsEngine(), audio, off)
+    finals = [e for e in events if isinstance(e, FinalMessage)]
+    assert " ".join(f.text for f in finals).split() == ["w0", "w1"]
+    assert all(f.speaker is None for f in finals) and off.next_speaker_job() is None
+    held = _stream_without_end(TwoWordsEngine(), audio, Session("on", streaming=labelling))
+    assert not [e for e in held if isinstance(e, FinalMessage)]
 
 
 def test_a_word_at_the_very_end_of_the_audio_waits_for_more(speech_dir: Path) -> None:

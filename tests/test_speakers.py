@@ -167,3 +167,74 @@ def test_a_word_in_the_pause_before_an_open_utterance_goes_to_the_nearer_one(
     run(tracker, audio, encoder)
     assert tracker.label(a.size + gap.size // 4).speaker == 0  # type: ignore[union-attr]
     assert tracker.label(a.size + gap.size + 16_000).speaker == 1  # type: ignore[union-attr]
+
+
+def test_the_label_delay_is_the_least_no_later_change_can_precede() -> None:
+    """Half a window less half a hop (a change is placed that far into the first window
+    that sounds like someone else); half a window when the tail window alone can change."""
+    assert SpeakerTracker(SpeakerConfig()).label_delay == 9_600  # 600 ms at a 400 ms hop
+    assert SpeakerTracker(SpeakerConfig(hop_ms=200)).label_delay == 11_200
+    assert SpeakerTracker(SpeakerConfig(change_windows=1)).label_delay == WINDOW_SAMPLES // 2
+    assert SpeakerTracker(SpeakerConfig(label_delay_ms=1000)).label_delay == 16_000
+
+
+def test_a_label_given_as_soon_as_covered_is_the_one_given_at_the_end(
+    speech_dir: Path, encoder: SpeakerEncoder
+) -> None:
+    """Two readers back to back in one utterance, labelled 0.2 s at a time as soon as the
+    tracker lets a word ending there be labelled: once all windows are in, every stretch
+    still has the label it got (no change point found later fell before it)."""
+    a, b = load_clip(speech_dir / READER_A), load_clip(speech_dir / READER_B)
+    audio = np.concatenate([a, b])
+    tracker = SpeakerTracker(SpeakerConfig())
+    tracker.open_utterance(0)
+    given: dict[int, int] = {}
+    piece = 3_200
+    for fed in range(piece, audio.size + 1, piece):
+        while (plan := tracker.plan(fed)) is not None:
+            start, end, starts = plan
+            tracker.receive(
+                starts, encoder.embed_windows(audio[start:end], [s - start for s in starts])
+            )
+        at = len(given) * piece
+        while at + piece <= fed and tracker.covered(at + piece):
+            label = tracker.label(at + piece // 2)
+            assert label is not None
+            given[at] = label.speaker
+            at += piece
+    tracker.close_utterance(audio.size)
+    run(tracker, audio, encoder)
+    again = {at: tracker.label(at + piece // 2) for at in given}
+    assert {at: label.speaker for at, label in again.items() if label} == given
+    assert set(given.values()) == {0, 1}  # the change was found while labelling went on
+
+
+def test_a_known_voice_is_decided_sooner_than_a_new_one(
+    speech_dir: Path, encoder: SpeakerEncoder
+) -> None:
+    """The first words of an utterance wait for ``decide_after_s`` of its speech, unless
+    (``decide_early_threshold``) its windows so far are clearly a speaker heard before."""
+    a, a2, b = (load_clip(speech_dir / f) for f in (READER_A, READER_A2, READER_B))
+    gap = np.zeros(8000, np.float32)
+    config = SpeakerConfig(decide_early_threshold=0.75)  # off by default
+    waited = {}
+    for name, second in (("same reader", a2), ("new reader", b)):
+        audio = np.concatenate([a, gap, second])
+        tracker = SpeakerTracker(config)
+        tracker.open_utterance(0)
+        tracker.close_utterance(a.size)
+        run(tracker, audio[: a.size], encoder)
+        assert tracker.label(a.size // 2) is not None
+        tracker.open_utterance(a.size + gap.size)
+        run_to = a.size + gap.size
+        while not tracker.covered(a.size + gap.size + 8000):  # a word 0.5 s in
+            run_to += 1600
+            while (plan := tracker.plan(run_to)) is not None:
+                start, end, starts = plan
+                tracker.receive(
+                    starts, encoder.embed_windows(audio[start:end], [s - start for s in starts])
+                )
+        waited[name] = (run_to - a.size - gap.size) / 16_000
+        label = tracker.label(a.size + gap.size + 8000)
+        assert label is not None and label.speaker == (0 if name == "same reader" else 1)
+    assert waited["same reader"] < config.decide_after_s <= waited["new reader"], waited
