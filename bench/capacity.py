@@ -8,8 +8,8 @@ the English long recordings of ``manifest_long.tsv`` cut at a pause every ``--se
 English clips of ``manifest.tsv`` joined with 1.5 s pauses, 3 s of silence after each. Each
 server runs as a subprocess (``bench.server_process``), one after the other, ours with its
 capacity limit off so the sweep measures past it (what its estimate said is recorded from
-``/metrics``). Per N: final latency, largest lag, time to first token, WER, decode-worker busy
-fraction and mean batch, refused sessions, server CPU and RSS. Writes
+``/metrics``). Per N: final latency, end of speech to final, largest lag, time to first token,
+WER, decode-worker busy fraction and mean batch, refused sessions, server CPU and RSS. Writes
 ``bench/results/capacity.json`` and ``capacity.png``; the last line printed is one JSON object
 with ``max_streams_p95_final_le_2s`` and ``window_2s_ms_p50``.
 """
@@ -248,10 +248,16 @@ class StreamFigures:
     largest_lag_s: float | None  # ours: the largest lag_s; the peer has no such field
     largest_text_lag_s: float  # audio sent - end of the latest text shown, at each message
     ttft_s: float | None
+    # Per utterance: from when its last word's audio was sent to the final holding it
+    # (``bench.latency_metrics``, as bench-latency measures it).
+    end_of_speech_to_final_s: tuple[float, ...] = ()
 
 
 def our_figures(
-    messages: Sequence[tuple[float, dict[str, Any]]], sends: SendLog, ttft_s: float | None
+    messages: Sequence[tuple[float, dict[str, Any]]],
+    sends: SendLog,
+    ttft_s: float | None,
+    end_of_speech_to_final_s: tuple[float, ...] = (),
 ) -> StreamFigures:
     latencies: list[float] = []
     lags: list[float] = []
@@ -265,12 +271,19 @@ def our_figures(
             end_s = float(m["words"][-1]["end"]) if m["words"] else float(m["end"])
             latencies.append(wall - sends.sent_at(end_s))
     return StreamFigures(
-        tuple(latencies), max(lags, default=0.0), max(text_lags, default=0.0), ttft_s
+        tuple(latencies),
+        max(lags, default=0.0),
+        max(text_lags, default=0.0),
+        ttft_s,
+        end_of_speech_to_final_s,
     )
 
 
 def peer_figures(
-    messages: Sequence[tuple[float, dict[str, Any]]], sends: SendLog, ttft_s: float | None
+    messages: Sequence[tuple[float, dict[str, Any]]],
+    sends: SendLog,
+    ttft_s: float | None,
+    end_of_speech_to_final_s: tuple[float, ...] = (),
 ) -> StreamFigures:
     latencies: list[float] = []
     text_lags: list[float] = []
@@ -285,7 +298,9 @@ def peer_figures(
             if s.get("completed") and float(s["start"]) >= kept_end:
                 kept_end = float(s["end"])
                 latencies.append(wall - sends.sent_at(kept_end))
-    return StreamFigures(tuple(latencies), None, max(text_lags, default=0.0), ttft_s)
+    return StreamFigures(
+        tuple(latencies), None, max(text_lags, default=0.0), ttft_s, end_of_speech_to_final_s
+    )
 
 
 # --- one server ----------------------------------------------------------------------------
@@ -338,10 +353,13 @@ class Contender:
         )
 
     def figures(self, adapter: TimedAdapter, record: Replay, stream: Stream) -> StreamFigures:
-        # Time to first token as bench-latency measures it: from the reference's first word.
-        ttft_s = stream_metrics(stream.words, record.observations, record.sends).ttft_s
+        # Time to first token and end of speech to final as bench-latency measures them: from
+        # the reference's first word, and from each utterance's last.
+        timeline = stream_metrics(stream.words, record.observations, record.sends)
         reduce = our_figures if self.peer is None else peer_figures
-        return reduce(adapter.messages, record.sends, ttft_s)
+        return reduce(
+            adapter.messages, record.sends, timeline.ttft_s, timeline.end_of_speech_to_final_s
+        )
 
     async def scrape(self) -> dict[str, float]:
         """Our server's counters that the sweep reads (empty for the peer)."""
@@ -404,6 +422,9 @@ async def run_count(
         "largest_lag_s": round(max(lags), 3) if lags else None,
         "largest_text_lag_s": round(max((f.largest_text_lag_s for f in figures), default=0.0), 3),
         "ttft": p50_p95_ms(ttft),
+        "end_of_speech_to_final": p50_p95_ms(
+            [x for f in figures for x in f.end_of_speech_to_final_s]
+        ),
         "wer": round(wer([s.transcript for s, _, _ in kept], [r.text for _, _, r in kept]), 4)
         if kept
         else None,
@@ -569,8 +590,8 @@ def plot(results: dict[str, Any], path: Path) -> Path:
 def table(results: dict[str, Any]) -> str:
     lines = [
         f"{'server':6} {'N':>3} {'final p50':>9} {'p95':>7} {'lag':>6} {'ttft p50':>8} "
-        f"{'wer':>6} {'alone':>6} {'busy':>5} {'batch':>5} {'est':>4} {'cpu%':>5} {'rss MB':>7} "
-        f"{'refused':>7}"
+        f"{'p95':>6} {'eos>final p50':>13} {'p95':>6} {'wer':>6} {'alone':>6} {'busy':>5} "
+        f"{'batch':>5} {'est':>4} {'cpu%':>5} {'rss MB':>7} {'refused':>7}"
     ]
 
     def cell(v: Any, scale: float = 1.0, digits: int = 2) -> str:
@@ -581,10 +602,14 @@ def table(results: dict[str, Any]) -> str:
             # The peer reports no lag: its text lag stands in (see bench/README.md).
             lag = r["largest_lag_s"] if r["largest_lag_s"] is not None else r["largest_text_lag_s"]
             final = r["final_latency"]
+            # Runs recorded before it was measured have no end of speech to final.
+            eos = r.get("end_of_speech_to_final", {})
             lines.append(
                 f"{who:6} {r['clients']:>3} {cell(final['p50_ms'], 1e-3):>9} "
                 f"{cell(final['p95_ms'], 1e-3):>7} {cell(lag):>6} "
-                f"{cell(r['ttft']['p50_ms'], 1e-3):>8} {cell(r['wer'], 1, 3):>6} "
+                f"{cell(r['ttft']['p50_ms'], 1e-3):>8} {cell(r['ttft']['p95_ms'], 1e-3):>6} "
+                f"{cell(eos.get('p50_ms'), 1e-3):>13} {cell(eos.get('p95_ms'), 1e-3):>6} "
+                f"{cell(r['wer'], 1, 3):>6} "
                 f"{cell(r.get('wer_alone'), 1, 3):>6} "
                 f"{cell(r.get('decode_busy')):>5} {cell(r.get('mean_batch')):>5} "
                 f"{r.get('capacity_estimate_after', '-')!s:>4} "

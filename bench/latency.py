@@ -458,6 +458,21 @@ def summarise(results: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, 
         a, b = p95.get("ours"), p95.get("peer")
         label = f"word finalised p95 ms at {n} streams"
         rows.append({"metric": label, "ours": a, "peer": b, "ratio": _ratio(a, b), "target": ""})
+    # Per N, the latencies a listener waits on: a stream's first word, and each utterance's
+    # final after its last word (at every count either server ran; the JSON has the p50s too).
+    for n in sorted({n for runs in by_count.values() for n in runs}):
+        ours_n, peer_n = (by_count.get(who, {}).get(n) for who in ("ours", "peer"))
+        for label, key, stat in (
+            ("TTFT p95 ms", "ttft", "p95_ms"),
+            ("end of speech->final p50 ms", "end_of_speech_to_final", "p50_ms"),
+            ("end of speech->final p95 ms", "end_of_speech_to_final", "p95_ms"),
+        ):
+            a = None if ours_n is None else ours_n[key][stat]
+            b = None if peer_n is None else peer_n[key][stat]
+            label = f"{label} at {n} stream{'s' if n > 1 else ''}"
+            rows.append(
+                {"metric": label, "ours": a, "peer": b, "ratio": _ratio(a, b), "target": ""}
+            )
     per_stream = (
         ("server CPU % at 1 stream", "cpu_percent_mean"),
         ("server RSS peak MB at 1 stream", "rss_mb_max"),

@@ -148,6 +148,11 @@ class PipelineConfig:
     max_queued_windows: int = 256  # windows waiting for a decode lane; more wait upstream
     capacity_hop_s: float = 1.0  # the longest a stream may wait between two of its decodes
     capacity_utilization: float = 0.8  # share of that hop the decode lanes may plan to be busy
+    # The head start in the queue of a decode a listener waits on (an utterance's first words,
+    # a closing decode: ``DecodeJob.urgent``) over routine re-decodes: it goes before every
+    # routine window queued less than this before it, and after older ones, so a routine
+    # window waits at most this much longer than it would have (no stream starves).
+    urgent_head_start_ms: float = 500.0
     # Time the startup calibration's engine calls on this process's CPU time where that is
     # less than their wall time: on the CPU backend (``server.serve.cli`` sets it there) a
     # call's work is this process's, and wall time would count the time other processes held
@@ -173,6 +178,10 @@ class PipelineConfig:
         if not 0 < self.capacity_utilization <= 1:
             raise ValueError(
                 f"capacity_utilization must be in (0, 1]; got {self.capacity_utilization}"
+            )
+        if not 0 <= self.urgent_head_start_ms <= 10_000:
+            raise ValueError(
+                f"urgent_head_start_ms must be in [0, 10000]; got {self.urgent_head_start_ms}"
             )
 
 

@@ -30,6 +30,7 @@ from server.config import PipelineConfig, ServerConfig, StreamingConfig
 from server.core.engine_api import (
     DecodeRequest,
     DecodeResult,
+    ModelShape,
     SpeechEngine,
     StopReason,
     TextSpan,
@@ -206,6 +207,51 @@ class GatedEngine(ScriptedEngine):
         if not self.gate.acquire(True, GATE_TIMEOUT_S):
             raise DecodeError("the test never opened the gate")
         return super().decode_windows(windows)
+
+
+class TimedEngine:
+    """A ``SpeechEngine`` that is another one (the real model) and notes when each of its
+    decode calls returned (``time.monotonic``, in ``returned_at``): a test on a server in
+    this process tells which decode a message came out with."""
+
+    def __init__(self, engine: SpeechEngine) -> None:
+        self.engine = engine
+        self.returned_at: list[float] = []  # appended on the decode lane's thread
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    @property
+    def dims(self) -> ModelShape:
+        return self.engine.dims
+
+    def encode_text(self, text: str) -> tuple[int, ...]:
+        return self.engine.encode_text(text)
+
+    def features(self, audio: Float32Array) -> Float32Array:
+        return self.engine.features(audio)
+
+    def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
+        try:
+            return self.engine.decode_windows(windows)
+        finally:
+            self.returned_at.append(time.monotonic())
+
+    def transcribe_window(
+        self, audio: Float32Array, request: DecodeRequest, temperatures: tuple[float, ...]
+    ) -> tuple[DecodeResult, float]:
+        return self.engine.transcribe_window(audio, request, temperatures)
+
+    def warmup(self) -> float:
+        return self.engine.warmup()
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def returned_between(self, since: float, until: float) -> int:
+        """Decode calls that returned after ``since`` and by ``until``."""
+        return sum(since < t <= until for t in self.returned_at)
 
 
 def pcm_frames(audio: Float32Array, chunk_s: float = 0.1) -> list[bytes]:

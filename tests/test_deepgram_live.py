@@ -12,9 +12,10 @@ import contextlib
 import hashlib
 import itertools
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
@@ -33,13 +34,16 @@ from websockets.http11 import Request
 from bench.corpus import ManifestRow, load_clip, wer
 from server.apis.adapters import SessionSettings
 from server.apis.deepgram_live import LISTEN_PATH, DeepgramAdapter, handshake_problem, parse_options
-from server.config import ServerConfig, StreamingConfig, VadConfig
+from server.config import PipelineConfig, ServerConfig, StreamingConfig, VadConfig
 from server.core.session import END_OF_SPEECH_MS_RANGE
 from server.core.speakers import SpeakerConfig
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.protocol.messages import FinalMessage, WordInfo
 from server.serve.app import WhisperwireServer
-from tests.helpers import ScriptedEngine, pcm_frames, two_readers
+from tests.helpers import ScriptedEngine, TimedEngine, pcm_frames, two_readers
+
+if TYPE_CHECKING:
+    from server.engine.engine import Engine
 
 WAIT_S = 120.0  # a bound for waits on the real model on a busy 2-core machine
 MAX_WER_CLIP = 0.35  # as tests/test_app.py: one short clip, streamed
@@ -47,6 +51,9 @@ CLIP = "ljspeech/LJ001-0004.wav"
 FRAME_S = 0.1  # pcm_frames' frame length
 LONG_CLIP = "ljspeech/long/LJ001-0001_to_0032.concat.wav"
 LINEAR16 = "encoding=linear16&sample_rate=16000&channels=1"
+# From the decode that made an utterance's final to the arrival of the event that closes it,
+# on loopback in this process: the event loop's turns only (a busy 2-core machine included).
+ENDPOINT_EVENT_S = 0.25
 
 
 def environment(ws_base: str) -> DeepgramClientEnvironment:
@@ -345,6 +352,61 @@ def test_endpointing_sets_the_streams_end_of_speech_silence() -> None:
     low, high = END_OF_SPEECH_MS_RANGE
     default = vad.speech_end_silence_ms
     assert silences == [low, 300, 2000, high, default, default]
+
+
+# --------------------------------------------------------------------------- at the endpoint
+
+
+async def test_speech_final_and_utterance_end_go_out_with_the_closing_decode(
+    engine: Engine, speech_dir: Path
+) -> None:
+    """An utterance and 1.5 s of silence sent at once, then nothing: the endpoint and
+    ``utterance_end_ms``'s gap are both in the audio before the first decode returns (as
+    for a stream whose closing decode waited for a lane). ``speech_final`` must come with
+    the final of the utterance's last decode, and ``UtteranceEnd`` right behind it: neither
+    may wait for another decode, nor for audio or a message the client has no reason to
+    send (before the fix, UtteranceEnd waited for the next audio frame)."""
+    timed = TimedEngine(engine)
+    clip = load_clip(speech_dir / CLIP)
+    audio = np.concatenate([clip, np.zeros(int(1.5 * SAMPLE_RATE_HZ), np.float32)])
+    query = f"{LINEAR16}&interim_results=true&endpointing=300&utterance_end_ms=1000"
+    config = ServerConfig(host="127.0.0.1", port=0, capacity_limit=False, warmup=False)
+    arrived: list[tuple[float, dict[str, Any]]] = []
+    async with (
+        WhisperwireServer(
+            lambda: timed, server=config, pipeline=PipelineConfig(batch_wait_ms=5.0)
+        ) as server,
+        connect(listen_url(server, query)) as ws,
+    ):
+
+        async def read_until_utterance_end() -> None:
+            while not arrived or arrived[-1][1]["type"] != "UtteranceEnd":
+                message = json.loads(await ws.recv())
+                arrived.append((time.monotonic(), message))
+
+        reader = asyncio.create_task(read_until_utterance_end())
+        for frame in pcm_frames(audio):
+            await ws.send(frame)
+        await asyncio.wait_for(reader, WAIT_S)
+        waited_until = time.monotonic()
+        await ws.send('{"type": "CloseStream"}')
+        rest = await read_until_closed(ws)
+    kinds = [m["type"] for _, m in arrived]
+    assert "Error" not in kinds, [m for _, m in arrived if m["type"] == "Error"]
+    [at] = [k for k, (_, m) in enumerate(arrived) if m["type"] == "Results" and m["speech_final"]]
+    final_at = arrived[at][0]
+    end_at, utterance_end = arrived[-1]
+    # Right behind speech_final: the gap was in the audio when the final was made.
+    assert at == len(arrived) - 2, kinds
+    assert timed.returned_between(final_at, end_at) == 0
+    finals = [m for _, m in arrived if m["type"] == "Results" and m["is_final"]]
+    words = [w for m in finals for w in m["channel"]["alternatives"][0]["words"]]
+    assert words and utterance_end["last_word_end"] == pytest.approx(words[-1]["end"], abs=1e-3)
+    # speech_final came with the utterance's last decode (none returned after it), at once.
+    assert timed.returned_between(final_at, waited_until) == 0
+    last_decode = max(t for t in timed.returned_at if t <= final_at)
+    assert final_at - last_decode < ENDPOINT_EVENT_S, final_at - last_decode
+    assert [m["type"] for m in rest] == ["Metadata"]
 
 
 # --------------------------------------------------------------------------- protocol edges

@@ -11,9 +11,10 @@ import asyncio
 import base64
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
@@ -29,12 +30,15 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from bench.corpus import ManifestRow, load_clip, wer
 from bench.http_probe import http_get, metric_value
 from server.apis.openai_realtime import DEFAULT_RATE_HZ, REALTIME_PATH, handshake_problem
-from server.config import ServerConfig, StreamingConfig
+from server.config import PipelineConfig, ServerConfig, StreamingConfig
 from server.core.session import END_OF_SPEECH_MS_RANGE
 from server.protocol.audio import pcm_s16le_bytes
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.serve.app import WhisperwireServer
-from tests.helpers import ScriptedEngine
+from tests.helpers import ScriptedEngine, TimedEngine
+
+if TYPE_CHECKING:
+    from server.engine.engine import Engine
 
 WAIT_S = 120.0  # a bound for waits on the real model on a busy 2-core machine
 MAX_WER_CLIP = 0.35  # as tests/test_app.py: one short clip, streamed
@@ -43,6 +47,9 @@ LONG_CLIP = "ljspeech/long/LJ001-0001_to_0032.concat.wav"
 CHUNK_S = 0.1
 COMPLETED = "conversation.item.input_audio_transcription.completed"
 DELTA = "conversation.item.input_audio_transcription.delta"
+# From the decode that made an utterance's final to the arrival of the event that closes it,
+# on loopback in this process: the event loop's turns only (a busy 2-core machine included).
+ENDPOINT_EVENT_S = 0.25
 
 
 def http_base(ws_base: str) -> str:
@@ -256,6 +263,57 @@ async def test_livekits_openai_plugin_recognizes_an_utterance_by_the_rest_api(
     [alternative] = event.alternatives
     assert alternative.language == "en"
     assert wer(reference(manifest, CLIP), alternative.text) <= MAX_WER_CLIP, alternative.text
+
+
+# --------------------------------------------------------------------------- at the endpoint
+
+
+async def test_speech_stopped_comes_at_the_endpoint_and_completed_with_the_final(
+    engine: Engine, speech_dir: Path
+) -> None:
+    """An utterance spoken in real time, 1.5 s of silence, then nothing: ``speech_stopped``
+    and ``committed`` go out when the voice activity detector ends the turn, before its
+    closing decode returns; ``completed`` right behind the last delta, with the decode that
+    made it (no other decode in between, no further input needed)."""
+    timed = TimedEngine(engine)
+    clip = load_clip(speech_dir / CLIP)
+    config = ServerConfig(host="127.0.0.1", port=0, capacity_limit=False, warmup=False)
+    arrived: list[tuple[float, dict[str, Any]]] = []
+    async with (
+        WhisperwireServer(
+            lambda: timed, server=config, pipeline=PipelineConfig(batch_wait_ms=5.0)
+        ) as server,
+        connect(realtime_url(server)) as ws,
+    ):
+
+        async def read_until_completed() -> None:
+            while not arrived or arrived[-1][1]["type"] != COMPLETED:
+                event = json.loads(await ws.recv())
+                arrived.append((time.monotonic(), event))
+
+        reader = asyncio.create_task(read_until_completed())
+        for chunk in chunks(pcm24(clip, silence_s=1.5)):
+            await send(ws, type="input_audio_buffer.append", audio=chunk)
+            await asyncio.sleep(CHUNK_S)
+        await asyncio.wait_for(reader, WAIT_S)
+        waited_until = time.monotonic()
+    kinds = [e["type"] for _, e in arrived]
+    assert "error" not in kinds, kinds
+    stopped = kinds.index("input_audio_buffer.speech_stopped")
+    assert kinds[stopped + 1] == "input_audio_buffer.committed", kinds
+    completed_at, completed = arrived[-1]
+    last_decode = max(t for t in timed.returned_at if t <= completed_at)
+    # The turn ended before its last decode returned: speech_stopped did not wait for it.
+    assert arrived[stopped][0] < last_decode
+    # completed: right behind the item's last delta, from the same decode, at once, and no
+    # decode after it (it was the utterance's last).
+    deltas = [k for k, e in enumerate(kinds) if e == DELTA]
+    assert deltas and deltas[-1] == len(arrived) - 2, kinds
+    assert timed.returned_between(arrived[deltas[-1]][0], completed_at) == 0
+    assert completed_at - last_decode < ENDPOINT_EVENT_S, completed_at - last_decode
+    assert timed.returned_between(completed_at, waited_until) == 0
+    texts = "".join(arrived[k][1]["delta"] for k in deltas)
+    assert completed["transcript"] == texts and texts
 
 
 # --------------------------------------------------------------------------- protocol edges

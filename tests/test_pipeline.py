@@ -1,4 +1,5 @@
-"""The pipeline with a test-double engine: batching, stalest-first order, fault isolation.
+"""The pipeline with a test-double engine: batching, stalest-first order with urgent windows
+ahead, fault isolation.
 
 ``ScriptedEngine`` (tests/helpers.py) decodes instantly and deterministically; clearing its
 ``release`` event holds the decode worker inside an engine call, so windows can be queued
@@ -20,7 +21,7 @@ import pytest_asyncio
 
 from bench.corpus import load_clip
 from server.config import PipelineConfig
-from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult
+from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, Window
 from server.core.session import DecodeJob, Session
 from server.core.speakers import EmbedJob
 from server.decode.pipeline import Pipeline
@@ -38,7 +39,9 @@ WAIT_S = 30.0  # generous: only a bug makes any of these waits long
 LANE_WAIT_S = 60.0  # a child lane starts an interpreter: seconds on a loaded machine
 
 
-def make_job(audio_s: float, created_at: float, session_id: str = "s") -> DecodeJob:
+def make_job(
+    audio_s: float, created_at: float, session_id: str = "s", *, urgent: bool = False
+) -> DecodeJob:
     return DecodeJob(
         session_id=session_id,
         job_id=0,
@@ -47,6 +50,7 @@ def make_job(audio_s: float, created_at: float, session_id: str = "s") -> Decode
         request=DecodeRequest(audio_s, DecodeOptions()),
         closing=False,
         created_at=created_at,
+        urgent=urgent,
     )
 
 
@@ -113,6 +117,91 @@ async def test_stalest_window_is_served_first(scripted: tuple[Pipeline, Scripted
     engine.release.set()
     await asyncio.wait_for(asyncio.gather(gate, *futures), WAIT_S)
     assert engine.batches == [[0.5], [1.0, 2.0], [3.0, 4.0]]
+
+
+async def test_an_urgent_window_goes_before_routine_ones_queued_within_its_head_start(
+    scripted: tuple[Pipeline, ScriptedEngine],
+) -> None:
+    pipeline, engine = scripted
+    pipeline.config = PipelineConfig(max_batch_size=1, batch_wait_ms=0.0, urgent_head_start_ms=500)
+    gate = await hold_worker(pipeline, engine)
+    # audio_s names each window; created_at in seconds. The urgent window (a closing decode
+    # or an utterance's first words) is the newest and queued last.
+    jobs = [
+        make_job(1.0, created_at=9.0, session_id="old"),  # 0.7 s before it: beyond its head start
+        make_job(2.0, created_at=9.8, session_id="a"),
+        make_job(3.0, created_at=9.9, session_id="b"),
+        make_job(4.0, created_at=10.0, session_id="c"),
+        make_job(5.0, created_at=10.2, session_id="closing", urgent=True),
+    ]
+    futures = await queue_jobs(pipeline, jobs)
+    engine.release.set()
+    await asyncio.wait_for(asyncio.gather(gate, *futures), WAIT_S)
+    assert engine.batches == [[0.5], [1.0], [5.0], [2.0], [3.0], [4.0]]
+
+
+async def test_a_routine_window_is_not_starved_by_a_steady_stream_of_urgent_ones() -> None:
+    """Other streams' utterances keep starting and ending, so an urgent window is always
+    queued when the lane frees (one made every 100 ms), while one stream's routine re-decode
+    waits: the urgent windows made within the head start after it go first, then it does."""
+    gate, entered = multiprocessing.Semaphore(0), multiprocessing.Semaphore(0)
+    engine = GatedEngine(gate, entered)
+    config = PipelineConfig(max_batch_size=1, batch_wait_ms=0.0, urgent_head_start_ms=500)
+    pipeline = Pipeline(config)
+    await pipeline.start(lambda: engine, warmup=False)
+    try:
+        futures = [asyncio.ensure_future(pipeline.decode(make_job(0.5, 0.0, "gate")))]
+        await entered_calls(entered, 1)
+        # audio_s names each window: 9.0 the routine one, 1.0 + k / 100 the k-th urgent one.
+        routine_at = 10.0
+        [routine] = await queue_jobs(pipeline, [make_job(9.0, routine_at, "routine")])
+        for k in range(20):
+            urgent = make_job(1.0 + k / 100, routine_at + 0.05 + k / 10, f"u{k}", urgent=True)
+            futures += await queue_jobs(pipeline, [urgent])
+            gate.release()  # the call on the lane returns and the next window takes the lane
+            await entered_calls(entered, 1)
+            if routine.done():
+                break
+        for _ in futures:
+            gate.release()
+        await asyncio.wait_for(asyncio.gather(routine, *futures), WAIT_S)
+        served = [batch[0] for batch in engine.batches[1:]]
+        # 0.05-0.45 s after it: five urgent windows went first, and none made later.
+        assert served[:7] == [1.0, 1.01, 1.02, 1.03, 1.04, 9.0, 1.05], served
+    finally:
+        for _ in range(8):  # whatever a failed test left waiting
+            gate.release()
+        await pipeline.close()
+
+
+async def test_a_sessions_first_words_and_closing_decodes_are_urgent_its_re_decodes_not(
+    speech_dir: Path,
+) -> None:
+    clip = load_clip(speech_dir / "librispeech_test-clean/1089-134691-0001.wav")
+    audio = np.concatenate([clip, np.zeros(SAMPLE_RATE_HZ, np.float32)])
+    engine = ScriptedEngine()
+    session = Session("s")
+    jobs: list[DecodeJob] = []
+    for frame in pcm_frames(audio):
+        session.feed_audio(frame)
+        job = session.next_job()
+        if job is not None:
+            result = engine.decode_windows([engine_window(job)])[0]
+            session.receive_result(job, result)
+            jobs.append(job)
+    marks = [(job.urgent, job.closing) for job in jobs]
+    # The scripted engine hears a word per half second: the decodes under half a second of
+    # audio show none, and the utterance's next decode is still the one its first word
+    # waits on.
+    shown = next(k for k, job in enumerate(jobs) if job.audio_s >= ScriptedEngine.WORD_S)
+    assert all(urgent for urgent, _ in marks[: shown + 1]), marks
+    assert not any(urgent for urgent, _ in marks[shown + 1 : -1]), marks
+    assert marks[-1] == (True, True), marks  # the closing decode
+
+
+def engine_window(job: DecodeJob) -> Window:
+    """The scripted engine's window of ``job``: its audio stands in for the log-mel."""
+    return Window(job.audio, job.request)
 
 
 async def test_a_failing_window_fails_only_its_own_job(

@@ -14,8 +14,9 @@ What the server sends:
   one ``Results`` with ``speech_final: true`` (or ``from_finalize: true``): holding costs
   nothing, as that moment comes with the last decode of the utterance.
 - ``SpeechStarted`` (``vad_events=true``), ``UtteranceEnd`` (``utterance_end_ms``: sent once
-  the audio has run that long past the last final word with no new words), ``Metadata`` after
-  ``CloseStream``, then close 1000; ``Error`` for refused input.
+  the audio has run that long past the last final word with no new words: right behind the
+  ``speech_final`` when the audio had run that far by then, else with the frame that takes
+  it there), ``Metadata`` after ``CloseStream``, then close 1000; ``Error`` for refused input.
 
 ``endpointing`` (ms of silence before ``speech_final``) sets this stream's end-of-speech
 silence, within ``END_OF_SPEECH_MS_RANGE`` (LiveKit's 25 ms is served at the floor, 200 ms);
@@ -245,6 +246,7 @@ class DeepgramAdapter:
         self._closed_by_finalize = False  # Finalize since the last Settled
         self._last_word_end: float | None = None  # of the last final sent
         self._utterance_end_due: float | None = None  # last_word_end that awaits UtteranceEnd
+        self._utterance_ended: float | None = None  # last_word_end that had its UtteranceEnd
 
     # -- opening ---------------------------------------------------------------------------
     def open_session(self, settings: SessionSettings, request: Request | None) -> Session:
@@ -325,13 +327,14 @@ class DeepgramAdapter:
     def render(self, message: Outgoing) -> list[str]:
         """Deepgram's messages for one session message."""
         if isinstance(message, Settled):
-            return self._settle()
+            return self._settle(message.audio_received_s)
         if isinstance(message, _Finalize):
             self._closed_by_finalize = True
             return []
         if isinstance(message, _UtteranceEnd):
             if message.end != self._last_word_end:
                 return []  # words came since; the gap is not there
+            self._utterance_ended = message.end
             return [
                 _dumps({"type": "UtteranceEnd", "channel": CHANNEL, "last_word_end": message.end})
             ]
@@ -360,10 +363,18 @@ class DeepgramAdapter:
                 _dumps({"type": "Error", "variant": message.code, "description": message.message})
             ]
         if isinstance(message, DoneMessage):
-            return [*self._settle(), *self._final_utterance_end(message), self._metadata(message)]
+            received_s = message.audio_received_s
+            return [
+                *self._settle(received_s),
+                *self._utterance_end_if_due(received_s),
+                self._metadata(message),
+            ]
         return []  # ready, and v1 messages without a Deepgram counterpart
 
-    def _settle(self) -> list[str]:
+    def _settle(self, audio_received_s: float) -> list[str]:
+        """The held finals of closed speech as one ``Results`` (``speech_final``), and the
+        ``UtteranceEnd`` behind it when its gap is in the audio already (``audio_received_s``,
+        stream time when the speech settled)."""
         if not (self._closed_by_vad or self._closed_by_finalize or self._held):
             return []
         out = [
@@ -374,17 +385,26 @@ class DeepgramAdapter:
                 from_finalize=self._closed_by_finalize,
             )
         ]
-        if self._held and self._options.utterance_end_ms is not None:
+        # Every final word of the speech was sent before its endpoint (nothing held) still
+        # has its UtteranceEnd owed: armed here unless it had one.
+        if self._options.utterance_end_ms is not None and self._last_word_end not in (
+            None,
+            self._utterance_ended,
+        ):
             self._utterance_end_due = self._last_word_end
         self._held = []
         self._closed_by_vad = self._closed_by_finalize = False
-        return out
+        # The final can come after the gap is in (a closing decode that waited for a lane, audio
+        # sent faster than real time): the UtteranceEnd goes with it, not with a next audio
+        # frame, which a client waiting for it may never send.
+        return out + self._utterance_end_if_due(audio_received_s)
 
-    def _final_utterance_end(self, done: DoneMessage) -> list[str]:
+    def _utterance_end_if_due(self, audio_received_s: float) -> list[str]:
         due, gap_ms = self._utterance_end_due, self._options.utterance_end_ms
-        if due is None or gap_ms is None or done.audio_received_s < due + gap_ms / 1000:
+        if due is None or gap_ms is None or audio_received_s < due + gap_ms / 1000:
             return []
         self._utterance_end_due = None
+        self._utterance_ended = due
         return [_dumps({"type": "UtteranceEnd", "channel": CHANNEL, "last_word_end": due})]
 
     def _results(

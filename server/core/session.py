@@ -121,6 +121,10 @@ class DecodeJob:
     request: DecodeRequest
     closing: bool  # the last decode of this window: everything it returns is committed
     created_at: float = field(default_factory=time.monotonic)
+    # A decode a listener is waiting on: the utterance's first words (time to first token) or
+    # its closing decode (its final). The scheduler serves it ahead of routine re-decodes
+    # (``PipelineConfig.urgent_head_start_ms``).
+    urgent: bool = False
 
     @property
     def audio_s(self) -> float:
@@ -551,6 +555,12 @@ class Session:
         """The decode of ``utt``'s window up to ``end``."""
         audio = self._buffer.slice(utt.window_start, end)
         options = self._options(utt, closing=closing, crowded=crowded)
+        # As next_job's first-decode cadence: until the utterance shows a word.
+        first_words = (
+            not utt.committed_tokens
+            and not utt.tentative
+            and end - utt.start < FIRST_WORDS_WINDOW_S * SAMPLE_RATE_HZ
+        )
         return DecodeJob(
             session_id=self.session_id,
             job_id=job_id,
@@ -566,6 +576,7 @@ class Session:
                 draft=utt.draft,
             ),
             closing=closing,
+            urgent=closing or first_words,
         )
 
     def receive_result(self, job: DecodeJob, result: DecodeResult) -> None:

@@ -2,7 +2,7 @@
 
     ingest (one task per connection, app.py)       frames -> Session -> DecodeJob
       -> features (ThreadPoolExecutor, NumPy)      job.audio -> log-mel Window
-      -> scheduler (asyncio task, bounded heap)    stalest windows first, batched
+      -> scheduler (asyncio task, bounded heap)    stalest windows first, urgent ahead, batched
       -> decode lanes (a thread; child processes)  Engine.decode_windows(batch), one per lane
       -> back on the loop (call_soon_threadsafe)   Session.receive_result -> messages
 
@@ -32,6 +32,13 @@ Files: ``background`` runs engine calls that are no stream's window (the 30 s wi
 uploaded file, ``server.decode.file_transcription``) after the streams: one takes a lane only
 while no stream's window waits, and never the last lane free for the streams while any is open.
 They are not timed into the capacity model: they cost what a file costs, not a stream.
+
+Order: the stalest window first, where a window a listener waits on (``DecodeJob.urgent``: an
+utterance's first words, which set the time to first token, and closing decodes, which set
+when a turn's final arrives) counts as ``PipelineConfig.urgent_head_start_ms`` older than it
+is. It goes before the routine re-decodes of any stream queued less than that before it, and
+after older ones: a routine window is passed only by urgent windows made within the head start
+after it, so its wait grows by that at most and no stream starves behind another's urgent ones.
 
 Late binding: a window waits in the queue as a claim on a lane; when a lane takes it, its
 session extends it to the audio that arrived meanwhile (``Session.refresh_job``) and only then
@@ -176,7 +183,8 @@ class Pipeline:
         self._embed_waiting: list[tuple[EmbedJob, asyncio.Future[Float32Array]]] = []
         self._embed_batch: list[asyncio.Future[Float32Array]] = []  # the batch in the thread
         self._embedding: asyncio.Task[None] | None = None
-        # (job.created_at, sequence, request): the stalest window is at the top.
+        # (job.created_at less an urgent job's head start, sequence, request): the stalest
+        # window is at the top.
         self._heap: list[tuple[float, int, _QueuedJob]] = []
         self._sequence = itertools.count()
         self._slots = asyncio.Semaphore(self.config.max_queued_windows)
@@ -513,7 +521,10 @@ class Pipeline:
 
     # -- scheduling ------------------------------------------------------------------------
     def _push(self, request: _QueuedJob) -> None:
-        heapq.heappush(self._heap, (request.job.created_at, next(self._sequence), request))
+        key = request.job.created_at
+        if request.job.urgent:
+            key -= self.config.urgent_head_start_ms / 1000.0
+        heapq.heappush(self._heap, (key, next(self._sequence), request))
         request.queued = True
         self.metrics.queue_depth.set(len(self._heap))
         self._changed.set()
