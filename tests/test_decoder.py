@@ -97,6 +97,22 @@ def test_a_trailing_partial_copy_belongs_to_the_repeat() -> None:
     assert repeat_start(words, 3) == 5
 
 
+def test_a_sentence_read_again_with_a_new_first_word_is_a_repeat() -> None:
+    words = _words(
+        "this is the recipe that was followed when it was prepared in the domonica"
+        " it was followed when it was prepared in the domonica"
+    )
+    assert words[repeat_start(words, 3) or 0 :] == _words(
+        "it was followed when it was prepared in the domonica"
+    )
+
+
+def test_a_short_phrase_said_again_with_a_new_first_word_is_speech() -> None:
+    # Six words of the copy agree: under 2 * 3 + 1, so nothing is cut.
+    words = _words("we went to the park at noon and they went to the park at noon")
+    assert repeat_start(words, 3) is None
+
+
 def test_short_repeats_and_new_endings_are_left_alone() -> None:
     assert repeat_start(_words("i think i think"), 3) is None  # people repeat a word or two
     assert repeat_start(_words("a b c a b c then more"), 3) is None  # not at the end

@@ -152,15 +152,27 @@ def repeat_start(keys: list[str], min_words: int) -> int | None:
     """Where the words stop being new: the earliest ``s`` such that ``keys[s:]`` repeats the
     ``k`` words before it, periodically, at least once in full, for some ``k >= min_words``
     (a trailing partial copy is allowed). None when the ending repeats nothing. Phrases
-    shorter than ``min_words`` do not count: people do repeat a word or two."""
+    shorter than ``min_words`` do not count: people do repeat a word or two.
+
+    A copy of at least ``2 * min_words + 1`` words whose first word alone differs ("that was
+    followed when it was prepared in the Domonica. It was followed when it was prepared in the
+    Domonica.") is a repeat too, from that word on: a beam search at the end of the audio
+    reads the last sentence again with a new opening, and length normalisation ranks the
+    confident copy first (bench-accuracy, test-other 367-130732-0005: 15 errors, 5 without)."""
     n = len(keys)
     best: int | None = None
     for k in range(min_words, n // 2 + 1):
         s = n  # walk back while each word equals the one k before it
         while s - 1 - k >= 0 and keys[s - 1] == keys[s - 1 - k]:
             s -= 1
-        if n - s >= k and (best is None or s < best):
-            best = s
+        if n - s >= k:
+            start = s
+        elif n - s == k - 1 and n - s >= 2 * min_words:
+            start = n - k
+        else:
+            continue
+        if best is None or start < best:
+            best = start
     return best
 
 
