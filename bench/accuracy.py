@@ -166,6 +166,7 @@ def run_clip(
         "error_locations": location_counts(located),
         "final_latencies_s": [round(x, 3) for x in result.final_latencies_s()],
         "word_final_latencies_s": [round(x, 3) for x in result.word_final_latencies_s()],
+        "end_of_speech_to_final_s": [round(x, 3) for x in result.end_of_speech_to_final_s()],
         "first_partial_s": result.first_partial_latency_s(),
         "flicker_changed": changed,
         "flicker_shown": shown,

@@ -25,7 +25,12 @@ from server.core.speakers import SpeakerEmbedder
 from server.engine.engine import Engine
 from server.protocol.audio import pcm_s16le_bytes
 from server.protocol.formats import SAMPLE_RATE_HZ
-from server.protocol.messages import FinalMessage, PartialMessage, SpeechStartedMessage
+from server.protocol.messages import (
+    FinalMessage,
+    PartialMessage,
+    SpeechEndedMessage,
+    SpeechStartedMessage,
+)
 
 CHUNK_S = 0.02
 
@@ -70,6 +75,28 @@ class SimulationResult:
     def final_latencies_s(self) -> list[float]:
         """For each final: when it arrived minus the stream time of its last word's end."""
         return [e.at_s - e.message.end for e in self.events if isinstance(e.message, FinalMessage)]
+
+    def end_of_speech_to_final_s(self) -> list[float]:
+        """Per utterance: when the final holding its last word arrived, minus the stream time
+        of that word's end (the turn-end latency a voice agent waits for)."""
+        out: list[float] = []
+        start = 0.0
+        for e in self.events:
+            if isinstance(e.message, SpeechStartedMessage):
+                start = e.message.start
+            elif isinstance(e.message, SpeechEndedMessage):
+                end = e.message.end
+                last = [
+                    (f.at_s, w.end)
+                    for f in self.events
+                    if isinstance(f.message, FinalMessage)
+                    for w in f.message.words
+                    if start <= w.start < end
+                ]
+                if last:
+                    arrived, word_end = max(last, key=lambda x: x[1])
+                    out.append(arrived - word_end)
+        return out
 
     def word_final_latencies_s(self) -> list[float]:
         """For each final word: when its final arrived minus the stream time of its end. The

@@ -97,6 +97,12 @@ class StreamingConfig:
     # of a tail, Whisper's length normalisation favours splitting a word into likelier pieces
     # ("Patience is" -> "paints and it's as") and a word past the end ("... it. Layton").
     closing_beam_size: int = 1
+    # Start the closing decode once the silence after speech covers the trailing pad
+    # (``speech_pad_ms``), before the endpoint (``speech_end_silence_ms``): when the endpoint
+    # comes, its final is ready or on its way; when speech goes on, the result counts as an
+    # ordinary re-decode. The audio, prefix and prompt are what the closing decode after the
+    # endpoint would get, so the final is the same.
+    speculative_closing: bool = True
     # One binary audio frame; larger gets an error and 1009. The server's WebSocket frame
     # limit is derived from it, so this is the only place the limit is set.
     max_frame_bytes: int = 1 << 20

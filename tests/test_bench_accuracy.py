@@ -21,7 +21,13 @@ from bench.accuracy_metrics import (
     table,
     token_times,
 )
-from server.protocol.messages import WordInfo
+from bench.simulate import SimulationResult, TimedEvent
+from server.protocol.messages import (
+    FinalMessage,
+    SpeechEndedMessage,
+    SpeechStartedMessage,
+    WordInfo,
+)
 
 
 def timed(*spec: tuple[str, float]) -> list[WordInfo]:
@@ -252,3 +258,25 @@ def test_offline_cache_reads_the_old_flat_layout_as_greedy(tmp_path: Path) -> No
     new.write_text(json.dumps(layout))
     assert read_offline_cache(new) == layout
     assert read_offline_cache(tmp_path / "absent.json") == {}
+
+
+def test_end_of_speech_to_final_times_each_utterances_last_word() -> None:
+    def final(at_s: float, *spec: tuple[str, float]) -> TimedEvent:
+        words = tuple(timed(*spec))
+        msg = FinalMessage(0, text(list(words)), words[0].start, words[-1].end, words, at_s)
+        return TimedEvent(at_s, msg)
+
+    result = SimulationResult(audio_s=10.0)
+    result.events = [
+        TimedEvent(0.5, SpeechStartedMessage(0.0, 0.5)),
+        final(2.0, ("alpha", 0.2)),
+        final(3.9, ("bravo", 1.0), ("charlie", 2.0)),  # charlie ends at 2.3
+        TimedEvent(3.0, SpeechEndedMessage(2.8, 3.0)),
+        TimedEvent(6.5, SpeechStartedMessage(6.0, 6.5)),
+        TimedEvent(7.5, SpeechEndedMessage(7.4, 7.5)),  # no words: nothing to time
+        TimedEvent(8.1, SpeechStartedMessage(8.0, 8.1)),
+        final(9.5, ("delta", 8.5)),
+        TimedEvent(9.9, SpeechEndedMessage(9.0, 9.9)),
+    ]
+    got = result.end_of_speech_to_final_s()
+    assert [round(x, 3) for x in got] == [1.6, 0.7]

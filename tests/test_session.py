@@ -1173,3 +1173,102 @@ def test_speaker_labels_are_off_unless_the_server_has_them() -> None:
     on = Session("spk", streaming=StreamingConfig(speakers=SpeakerConfig(enabled=True)))
     on.configure(StreamSettings(speakers=False))
     assert not on.labels_speakers
+
+
+# ------------------------------------------------------------ speculative closing decode
+
+
+def _drive_logging_jobs(
+    session: Session, engine: ScriptedEngine, frames: Sequence[bytes]
+) -> list[tuple[int, SessionEvent | DecodeJob]]:
+    """Feed ``frames`` (then ``end``) answering each decode at once; every event and job,
+    in order, with the number of frames fed when it came."""
+    log: list[tuple[int, SessionEvent | DecodeJob]] = []
+    for fed, frame in enumerate([*frames, None], start=1):
+        if frame is None:
+            session.end()
+        else:
+            session.feed_audio(frame)
+        log.extend((fed, e) for e in session.events_to_send())
+        while not session.busy and (job := session.next_job()) is not None:
+            log.append((fed, job))
+            session.receive_result(job, _decode_now(engine, job))
+            log.extend((fed, e) for e in session.events_to_send())
+    return log
+
+
+def _finals(log: list[tuple[int, SessionEvent | DecodeJob]]) -> list[tuple[int, str]]:
+    return [(fed, e.text) for fed, e in log if isinstance(e, FinalMessage)]
+
+
+def _paused_speech(speech_dir: Path, pause_s: float) -> np.ndarray:
+    silence = np.zeros(int(pause_s * SAMPLE_RATE_HZ), dtype=np.float32)
+    parts = [load_clip(speech_dir / f) for f in PAUSED_CLIPS]
+    return np.concatenate([parts[0], silence, parts[1], np.zeros(SAMPLE_RATE_HZ, np.float32)])
+
+
+def test_the_closing_decode_starts_in_the_pause_and_its_final_comes_at_the_endpoint(
+    speech_dir: Path,
+) -> None:
+    frames = _frames_of(_paused_speech(speech_dir, 1.0), chunk_s=0.03)
+    log = _drive_logging_jobs(Session("spec"), ScriptedEngine(), frames)
+    off = _drive_logging_jobs(
+        Session("off", streaming=StreamingConfig(speculative_closing=False)),
+        ScriptedEngine(),
+        frames,
+    )
+    first_end = next((fed, e) for fed, e in log if isinstance(e, SpeechEndedMessage))
+    ended_at, ended = first_end
+    end_sample = round(ended.end * SAMPLE_RATE_HZ)
+    guesses = [(fed, j) for fed, j in log if isinstance(j, DecodeJob) and j.speculative]
+    closing = [(fed, j) for fed, j in guesses if j.end_sample == end_sample]
+    assert len(closing) == 1, guesses
+    guessed_at, guess = closing[0]
+    assert guess.closing and guess.urgent  # a closing decode's options and place in the queue
+    # Started once the pad was heard, 0.3 s (ten 30 ms frames) before the endpoint ...
+    assert ended_at - guessed_at >= 9, (guessed_at, ended_at)
+    # ... over the window the closing decode after the endpoint would take, so nothing of the
+    # utterance is decoded after the endpoint: its last final comes with it.
+    first_index = next(i for i, (_, e) in enumerate(log) if e is ended)
+    after = log[first_index + 1 :]
+    next_job = next(j for _, j in after if isinstance(j, DecodeJob))
+    assert next_job.start_s * SAMPLE_RATE_HZ >= end_sample
+    assert isinstance(after[0][1], FinalMessage)
+    assert after[0][1].end <= ended.end
+    # The same words as without the guess (fewer re-decodes may group them in fewer finals).
+    assert " ".join(t for _, t in _finals(log)).split() == (
+        " ".join(t for _, t in _finals(off)).split()
+    )
+
+
+def test_speech_after_a_short_pause_keeps_the_guess_as_an_ordinary_decode(
+    speech_dir: Path,
+) -> None:
+    # 0.35 s: past the 200 ms pad, short of the endpoint: one utterance.
+    frames = _frames_of(_paused_speech(speech_dir, 0.35), chunk_s=0.03)
+    log = _drive_logging_jobs(Session("spec"), ScriptedEngine(), frames)
+    off = _drive_logging_jobs(
+        Session("off", streaming=StreamingConfig(speculative_closing=False)),
+        ScriptedEngine(),
+        frames,
+    )
+    ends = [e for _, e in log if isinstance(e, SpeechEndedMessage)]
+    guesses = [j for _, j in log if isinstance(j, DecodeJob) and j.speculative]
+    assert guesses
+    assert all(g.end_sample < round(ends[0].end * SAMPLE_RATE_HZ) for g in guesses[:1])
+    jobs = [j for _, j in log if isinstance(j, DecodeJob)]
+    assert jobs.index(guesses[0]) < len(jobs) - 1  # decoding went on after the guess
+    words = " ".join(t for _, t in _finals(log)).split()
+    assert words == " ".join(t for _, t in _finals(off)).split()
+    done = [e for _, e in log if isinstance(e, DoneMessage)]
+    _check_accounting(done[0])
+
+
+def test_no_guess_while_the_scheduler_stretches_the_cadence(speech_dir: Path) -> None:
+    session = Session("busy")
+    engine = ScriptedEngine()
+    for frame in _frames_of(_paused_speech(speech_dir, 1.0), chunk_s=0.03):
+        session.feed_audio(frame)
+        while (job := session.next_job(min_hop_s=0.7)) is not None:
+            assert not job.speculative
+            session.receive_result(job, _decode_now(engine, job))

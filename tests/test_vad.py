@@ -255,3 +255,38 @@ def test_config_validation(kwargs: dict[str, float], message: str) -> None:
 def test_receive_rejects_multichannel_input() -> None:
     with pytest.raises(ValueError, match="1-D"):
         VadSegmenter(VadConfig()).receive(np.zeros((100, 2), dtype=np.float32))
+
+
+def test_the_tentative_end_is_where_the_endpoint_then_ends_the_utterance() -> None:
+    samples = np.concatenate([_load(CLIP), _silence(1.5)])
+    vad = VadSegmenter(VadConfig())
+    seen: list[int] = []  # tentative ends, as 10 ms chunks arrive
+    ended: list[SpeechEnded] = []
+    for pos in range(0, samples.size, 10 * MS):
+        for event in vad.receive(samples[pos : pos + 10 * MS]):
+            if isinstance(event, SpeechEnded):
+                ended.append(event)
+        if vad.tentative_end is not None and not ended:
+            seen.append(vad.tentative_end)
+            # Only once the silence has covered the pad: the audio up to it is all there.
+            assert vad.samples_processed >= vad.tentative_end
+    assert ended and seen
+    assert seen[-1] == ended[0].end_sample
+    # It was known a while before the endpoint (500 ms of silence, less the 200 ms pad).
+    assert seen.count(seen[-1]) * 10 * MS >= 250 * MS
+    assert vad.tentative_end is None  # outside an utterance
+
+
+def test_the_tentative_end_comes_as_soon_as_the_silence_covers_the_pad() -> None:
+    vad = VadSegmenter(VadConfig())  # 200 ms pad, 30 ms frames
+    samples = np.concatenate([_load(CLIP), _silence(1.0)])
+    first: int | None = None
+    for pos in range(0, samples.size, 10 * MS):
+        vad.receive(samples[pos : pos + 10 * MS])
+        if vad.tentative_end is not None and first is None:
+            first = vad.tentative_end
+            # Not a frame later than the audio up to it was all there.
+            assert 0 <= vad.samples_processed - first < 30 * MS
+        elif vad.tentative_end is None and vad.in_speech:
+            first = None  # speech came back: the next pause gives a new one
+    assert first is not None

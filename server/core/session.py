@@ -125,6 +125,14 @@ class DecodeJob:
     # its closing decode (its final). The scheduler serves it ahead of routine re-decodes
     # (``PipelineConfig.urgent_head_start_ms``).
     urgent: bool = False
+    # A closing decode started when the silence after speech had covered the trailing pad,
+    # before the endpoint (``StreamingConfig.speculative_closing``): it closes the utterance
+    # if the endpoint comes where it ended, and is an ordinary re-decode if speech goes on.
+    speculative: bool = False
+
+    @property
+    def end_sample(self) -> int:
+        return round(self.start_s * SAMPLE_RATE_HZ) + int(self.audio.shape[0])
 
     @property
     def audio_s(self) -> float:
@@ -155,6 +163,10 @@ class _Utterance:
     # has not decided this utterance's (its words stay partial until then).
     language: str | None = None
     detected: tuple[str, float] | None = None  # the last detection while undecided
+    # A speculative closing decode's result, held until the endpoint says whether it closes
+    # the utterance (nothing else of the window is decoded meanwhile).
+    speculation: tuple[DecodeJob, DecodeResult] | None = None
+    speculated_to: int = 0  # end sample of the last speculative closing decode
 
 
 class Session:
@@ -376,6 +388,8 @@ class Session:
             self._events.append(SpeechEndedMessage(event.end_sample / SAMPLE_RATE_HZ, now_s))
             self._close_open_utterance(event.end_sample, reopen=False)
             self._unsettled = True
+            if self._utterances and self._utterances[0].speculation is not None:
+                self._release_speculation(self._utterances[0])
 
     def _new_utterance(self, start: int) -> _Utterance:
         return _Utterance(
@@ -464,8 +478,23 @@ class Session:
         if self._in_flight is not None or not self._utterances:
             return None
         utt = self._utterances[0]
+        if utt.speculation is not None:
+            if utt.end is None and self._vad.tentative_end == utt.speculation[0].end_sample:
+                return None  # the silence goes on: the endpoint decides
+            self._release_speculation(utt)
+            return self.next_job(min_hop_s=min_hop_s, crowded=crowded)
         closing = utt.end is not None
         end = utt.end if utt.end is not None else self._buffer.end
+        speculative = self._speculative_end(utt, crowded, min_hop_s)
+        if speculative is not None:
+            job = self._job(
+                utt, speculative, closing=True, job_id=self._next_job_id, crowded=crowded
+            )
+            job = dataclasses.replace(job, speculative=True)
+            self._next_job_id += 1
+            utt.decoded_to = utt.speculated_to = speculative
+            self._in_flight = job
+            return job
         if not closing:
             new = end - utt.decoded_to
             # Until the utterance shows a word, decode at the first-decode cadence: the time to
@@ -496,6 +525,40 @@ class Session:
         utt.decoded_to = end
         self._in_flight = job
         return job
+
+    def _speculative_end(self, utt: _Utterance, crowded: bool, min_hop_s: float) -> int | None:
+        """Where a speculative closing decode of ``utt`` would end, when one is due: the
+        open utterance (the only one) heard silence covering its pad, and that end was not
+        decoded speculatively yet (nor past the window's cap, where a cut comes first). Not
+        while the scheduler stretches the cadence or streams outnumber lanes: speech often
+        goes on after such a pause, and a busy server has no decode to spare on a guess."""
+        end = self._vad.tentative_end
+        if (
+            end is None
+            or not self.streaming.speculative_closing
+            or crowded
+            or min_hop_s > self.streaming.min_new_audio_ms / 1000
+            or utt.end is not None
+            or len(self._utterances) > 1
+            or utt.language is None
+            or end == utt.speculated_to
+            or end <= utt.window_start
+            or end - utt.window_start > self._window_cap_s(crowded) * SAMPLE_RATE_HZ
+        ):
+            return None
+        return end
+
+    def _release_speculation(self, utt: _Utterance) -> None:
+        """Fold in the held speculative result: the closing decode when the utterance ended
+        where it did, else an ordinary re-decode of the window (speech went on, or a flush or
+        the stream's end closed it elsewhere; the closing decode then follows)."""
+        assert utt.speculation is not None and self._in_flight is None
+        job, result = utt.speculation
+        utt.speculation = None
+        if utt.end != job.end_sample:
+            job = dataclasses.replace(job, closing=False, speculative=False)
+        self._in_flight = job
+        self.receive_result(job, result)
 
     def refresh_job(self, job: DecodeJob, *, crowded: bool = False) -> DecodeJob:
         """``job``, still waiting for a decode lane, over the audio that arrived meanwhile.
@@ -586,7 +649,12 @@ class Session:
             return
         job, self._in_flight = self._in_flight, None  # as last refreshed
         utt = self._utterances[0]
-        utt.heard_to = max(utt.heard_to, round(job.start_s * SAMPLE_RATE_HZ) + job.audio.shape[0])
+        if job.speculative and utt.end != job.end_sample:
+            if utt.end is None and self._vad.tentative_end == job.end_sample:
+                utt.speculation = (job, result)  # the endpoint may still come there
+                return
+            job = dataclasses.replace(job, closing=False, speculative=False)
+        utt.heard_to = max(utt.heard_to, job.end_sample)
         if utt.language is None and not self._settle_language(utt, job, result):
             self._maybe_done()
             return

@@ -91,6 +91,17 @@ class VadSegmenter:
         return self._in_speech
 
     @property
+    def tentative_end(self) -> int | None:
+        """Where the open utterance ends if the silence heard now lasts to the endpoint (the
+        ``end_sample`` its ``SpeechEnded`` would carry), once that silence has covered the
+        trailing pad; None in speech, outside an utterance, or before then. A decode of the
+        utterance up to here can start before the endpoint (the speculative closing decode)."""
+        if not self._in_speech or self._silent_frames == 0:
+            return None
+        end = self._last_voiced_end + self._pad
+        return end if self._processed >= end else None
+
+    @property
     def samples_processed(self) -> int:
         """Samples that have been through the VAD; buffered partial frames do not count."""
         return self._processed
