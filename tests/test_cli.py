@@ -66,3 +66,11 @@ def test_drain_s_defaults_to_the_config_and_is_checked(capsys: pytest.CaptureFix
         main(["--drain-s", "60", "--max-session-s", "30"])
     assert exited.value.code == 2
     assert "drain_s must be in [0, max_session_s=30]" in capsys.readouterr().err
+
+
+def test_the_speculative_closing_decode_is_on_unless_turned_off() -> None:
+    from server.config import StreamingConfig
+
+    parser = build_parser()
+    assert parser.parse_args([]).speculative_closing is StreamingConfig().speculative_closing
+    assert parser.parse_args(["--no-speculative-closing"]).speculative_closing is False

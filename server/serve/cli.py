@@ -133,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
         "while every stream has a decode lane; 1: greedy (default %(default)s)",
     )
     streaming.add_argument(
+        "--speculative-closing",
+        action=argparse.BooleanOptionalAction,
+        default=StreamingConfig().speculative_closing,
+        help="start an utterance's closing decode in the pause, before the endpoint "
+        "(default: %(default)s)",
+    )
+    streaming.add_argument(
         "--speakers",
         action="store_true",
         help="label who is speaking on finals and words (resemblyzer's speaker encoder, no "
@@ -291,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         streaming = StreamingConfig(
             closing_beam_size=args.closing_beam_size,
+            speculative_closing=args.speculative_closing,
             commit=CommitConfig(min_right_context_s=args.min_right_context_s),
             speakers=SpeakerConfig(enabled=args.speakers),
         )
