@@ -105,7 +105,11 @@ def modelled_cost_s(job: DecodeJob) -> float:
     """A decode's cost as a fixed part plus one growing with the window (about what
     bench-decoder measured for tiny.en on these CPUs): window positions, and so the text, are
     then the same on every run, whatever else the machine is doing."""
-    return 0.1 + 0.05 * job.audio_s
+    greedy = 0.1 + 0.05 * job.audio_s
+    # A beam search costs more the longer the window (bench-beam, beam 5: 2.4x at 2 s, 3.4x at
+    # 5 s, 4.1x at 10 s against greedy).
+    extra = (job.request.options.beam_size - 1) * (0.3 + 0.05 * job.audio_s)
+    return greedy * (1.0 + extra)
 
 
 def offline_text(
