@@ -220,13 +220,16 @@ CLIP_HEADER = (
 )
 
 
-async def stream_through_server(clips: list[tuple[str, str]]) -> dict[str, str]:
+async def stream_through_server(
+    clips: list[tuple[str, str]], server_args: tuple[str, ...] = ()
+) -> dict[str, str]:
     """Each clip as its own WebSocket session at 1x into a real server subprocess (the
     capacity limit off: one stream at a time anyway); the finals' text per clip."""
     port = free_port()
     cmd = [
         os.path.join(sys.prefix, "bin", "whisperwire-server"),
         *("--port", str(port), "--model", "tiny.en", "--log-level", "warning"),
+        *server_args,
     ]
     ready = f"http://127.0.0.1:{port}/readyz"
     texts: dict[str, str] = {}
@@ -264,6 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also stream every short clip through a real server at 1x and report its WER "
         "beside the simulation's (the check that the two agree)",
+    )
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help="further flags for --server's server, space-separated "
+        "(e.g. --server-args=--no-speculative-closing)",
     )
     parser.add_argument(
         "--no-beam",
@@ -318,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.offline_cache:
         args.offline_cache.write_text(json.dumps(cache, indent=1))
     if args.server:
-        served = asyncio.run(stream_through_server([(r.file, r.transcript) for r in short]))
+        clips = [(r.file, r.transcript) for r in short]
+        served = asyncio.run(stream_through_server(clips, tuple(args.server_args.split())))
         for clip, row in zip(sets["short"], short, strict=True):
             counts = count_errors(row.transcript, served[row.file])
             clip["errors_served"] = counts.errors
