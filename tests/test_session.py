@@ -1214,16 +1214,25 @@ def _paused_speech(speech_dir: Path, pause_s: float) -> np.ndarray:
     return np.concatenate([parts[0], silence, parts[1], np.zeros(SAMPLE_RATE_HZ, np.float32)])
 
 
-def test_the_closing_decode_starts_in_the_pause_and_its_final_comes_at_the_endpoint(
-    speech_dir: Path,
-) -> None:
-    frames = _frames_of(_paused_speech(speech_dir, 1.0), chunk_s=0.03)
+def _with_and_without_guess(
+    speech_dir: Path, pause_s: float
+) -> tuple[list[tuple[int, SessionEvent | DecodeJob]], list[tuple[int, SessionEvent | DecodeJob]]]:
+    """Two readers ``pause_s`` apart in 30 ms frames, through a session with the speculative
+    closing decode and one without: both logs."""
+    frames = _frames_of(_paused_speech(speech_dir, pause_s), chunk_s=0.03)
     log = _drive_logging_jobs(Session("spec"), ScriptedEngine(), frames)
     off = _drive_logging_jobs(
         Session("off", streaming=StreamingConfig(speculative_closing=False)),
         ScriptedEngine(),
         frames,
     )
+    return log, off
+
+
+def test_the_closing_decode_starts_in_the_pause_and_its_final_comes_at_the_endpoint(
+    speech_dir: Path,
+) -> None:
+    log, off = _with_and_without_guess(speech_dir, 1.0)
     first_end = next((fed, e) for fed, e in log if isinstance(e, SpeechEndedMessage))
     ended_at, ended = first_end
     end_sample = round(ended.end * SAMPLE_RATE_HZ)
@@ -1252,13 +1261,7 @@ def test_speech_after_a_short_pause_keeps_the_guess_as_an_ordinary_decode(
     speech_dir: Path,
 ) -> None:
     # 0.35 s: past the 200 ms pad, short of the endpoint: one utterance.
-    frames = _frames_of(_paused_speech(speech_dir, 0.35), chunk_s=0.03)
-    log = _drive_logging_jobs(Session("spec"), ScriptedEngine(), frames)
-    off = _drive_logging_jobs(
-        Session("off", streaming=StreamingConfig(speculative_closing=False)),
-        ScriptedEngine(),
-        frames,
-    )
+    log, off = _with_and_without_guess(speech_dir, 0.35)
     ends = [e for _, e in log if isinstance(e, SpeechEndedMessage)]
     guesses = [j for _, j in log if isinstance(j, DecodeJob) and j.speculative]
     assert guesses
