@@ -489,9 +489,13 @@ class Session:
         speculative = self._speculative_end(utt, crowded, min_hop_s)
         if speculative is not None:
             job = self._job(
-                utt, speculative, closing=True, job_id=self._next_job_id, crowded=crowded
+                utt,
+                speculative,
+                closing=True,
+                job_id=self._next_job_id,
+                crowded=crowded,
+                speculative=True,
             )
-            job = dataclasses.replace(job, speculative=True)
             self._next_job_id += 1
             utt.decoded_to = utt.speculated_to = speculative
             self._in_flight = job
@@ -503,14 +507,9 @@ class Session:
             # The scheduler's stretched hop does not hold them back either: under load it
             # spaces re-decodes, and first words waiting on it made TTFT grow with the streams
             # (bench-capacity: 0.45 s at one stream, 1.5 s at six).
-            first_words = (
-                not utt.committed_tokens
-                and not utt.tentative
-                and end - utt.start < FIRST_WORDS_WINDOW_S * SAMPLE_RATE_HZ
-            )
             need_s = (
                 self.streaming.first_decode_ms / 1000
-                if first_words
+                if self._awaits_first_words(utt, end)
                 else max(self.streaming.min_new_audio_ms / 1000, min_hop_s)
             )
             if new < need_s * SAMPLE_RATE_HZ:
@@ -617,18 +616,28 @@ class Session:
             beam_size=beam,
         )
 
-    def _job(
-        self, utt: _Utterance, end: int, *, closing: bool, job_id: int, crowded: bool = False
-    ) -> DecodeJob:
-        """The decode of ``utt``'s window up to ``end``."""
-        audio = self._buffer.slice(utt.window_start, end)
-        options = self._options(utt, closing=closing, crowded=crowded)
-        # As next_job's first-decode cadence: until the utterance shows a word.
-        first_words = (
+    def _awaits_first_words(self, utt: _Utterance, end: int) -> bool:
+        """Whether a decode of ``utt`` up to ``end`` is one its first word waits on: nothing
+        shown yet, and the utterance still short enough to be decoded at the first-decode pace."""
+        return (
             not utt.committed_tokens
             and not utt.tentative
             and end - utt.start < FIRST_WORDS_WINDOW_S * SAMPLE_RATE_HZ
         )
+
+    def _job(
+        self,
+        utt: _Utterance,
+        end: int,
+        *,
+        closing: bool,
+        job_id: int,
+        crowded: bool = False,
+        speculative: bool = False,
+    ) -> DecodeJob:
+        """The decode of ``utt``'s window up to ``end``."""
+        audio = self._buffer.slice(utt.window_start, end)
+        options = self._options(utt, closing=closing, crowded=crowded)
         return DecodeJob(
             session_id=self.session_id,
             job_id=job_id,
@@ -644,7 +653,8 @@ class Session:
                 draft=utt.draft,
             ),
             closing=closing,
-            urgent=closing or first_words,
+            urgent=closing or self._awaits_first_words(utt, end),
+            speculative=speculative,
         )
 
     def receive_result(self, job: DecodeJob, result: DecodeResult) -> None:
