@@ -238,3 +238,35 @@ def test_a_known_voice_is_decided_sooner_than_a_new_one(
         label = tracker.label(a.size + gap.size + 8000)
         assert label is not None and label.speaker == (0 if name == "same reader" else 1)
     assert waited["same reader"] < config.decide_after_s <= waited["new reader"], waited
+
+
+def test_a_segment_is_decided_once_heard_long_enough_not_when_a_word_first_asks(
+    speech_dir: Path, encoder: SpeakerEncoder
+) -> None:
+    """The decision is made from the windows of the first ``decide_after_s`` of a segment,
+    with nobody asking: a loaded server's finals, which ask later, get the same speakers as a
+    quiet one's."""
+    config = SpeakerConfig()
+    a, b = load_clip(speech_dir / READER_A), load_clip(speech_dir / READER_B)
+    gap = np.zeros(8000, np.float32)
+    audio = np.concatenate([a, gap, b])
+    tracker = SpeakerTracker(config)
+    tracker.open_utterance(0)
+    decided_at: list[float] = []
+    for fed in range(1600, audio.size + 1, 1600):
+        if a.size + 1600 <= fed < a.size + 3200:
+            tracker.close_utterance(a.size)
+            tracker.open_utterance(a.size + gap.size)
+        while (plan := tracker.plan(fed)) is not None:
+            start, end, starts = plan
+            tracker.receive(
+                starts, encoder.embed_windows(audio[start:end], [s - start for s in starts])
+            )
+        if tracker.speakers > len(decided_at):
+            decided_at.append(fed / 16_000)
+    first_b = (a.size + gap.size) / 16_000
+    # Each reader's voice was decided after decide_after_s of its speech, within a hop or two.
+    assert decided_at[0] == pytest.approx(config.decide_after_s, abs=0.5)
+    assert decided_at[1] - first_b == pytest.approx(config.decide_after_s, abs=0.5)
+    labels = [tracker.label(a.size // 2), tracker.label(a.size + gap.size + b.size // 2)]
+    assert [label.speaker for label in labels if label] == [0, 1]

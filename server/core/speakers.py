@@ -4,10 +4,11 @@ The session's VAD finds utterances; this module plans 1.6 s windows over them (t
 the speaker encoder was trained on, one every ``hop_ms``), takes their d-vectors back
 (``receive``) and labels stretches of the stream with speakers as it goes:
 
-- Each utterance starts a segment. A segment's speaker is decided the first time a word in
-  it needs a label: the mean of its windows so far against every speaker's centroid; the
-  closest one at ``threshold`` or more, else a new speaker (at most ``max_speakers``; past
-  that, the closest). Decided labels never change: they went out on finals.
+- Each utterance starts a segment. A segment's speaker is decided once its windows span
+  ``decide_after_s`` (or another segment follows it, or its utterance ends): the mean of its
+  windows against every speaker's centroid; the closest one at ``threshold`` or more, else a
+  new speaker (at most ``max_speakers``; past that, the closest). Decided labels never
+  change: they went out on finals.
 - Inside an utterance, a window whose d-vector falls below ``change_threshold`` against the
   segment's mean, followed by ``change_windows - 1`` more such windows, is a change of
   speaker with no pause: a new segment starts where the first of them is mostly the new
@@ -15,9 +16,8 @@ the speaker encoder was trained on, one every ``hop_ms``), takes their d-vectors
 - Every window of a decided segment joins its speaker's centroid.
 
 A word can be labelled once the windows reaching ``label_delay`` past its end are in (no
-change point found later can fall before it) and its segment has been heard long enough to
-be decided (``decide_after_s``, or, if asked, sooner for a clearly known speaker), or its
-utterance has closed and all its windows are in (``covered``). The encoder itself is behind
+change point found later can fall before it) and its segment is decided, or its utterance
+has closed and all its windows are in (``covered``). The encoder itself is behind
 ``SpeakerEmbedder``; the session hands its jobs to whoever runs it.
 """
 
@@ -246,6 +246,26 @@ class SpeakerTracker:
         for utt in self._utterances:
             if utt.finished:
                 self._flush_doubtful(utt)
+            self._decide_heard(utt)
+
+    def _decide_heard(self, utt: _Utterance) -> None:
+        """Decide the speaker of each segment heard long enough (``decide_after_s``, a
+        clearly known voice, a change after it, its utterance's end) as its windows come in,
+        not when a word first asks: what is decided then does not depend on when the finals
+        came (on a loaded server, later, from more windows), so one stream is labelled the
+        same at any speed."""
+        for seg in utt.segments:
+            if seg.speaker is None and seg.count and self._heard_enough(utt, seg):
+                self._decide(seg)
+
+    def _heard_enough(self, utt: _Utterance, seg: _Segment) -> bool:
+        spanned = (seg.count - 1) * self._hop + WINDOW_SAMPLES
+        return (
+            seg is not utt.segments[-1]
+            or utt.finished
+            or spanned >= self.config.decide_after_s * SAMPLE_RATE_HZ
+            or self._known_voice(seg)
+        )
 
     def _add_window(self, utt: _Utterance, start: int, vector: Float32Array) -> None:
         c = self.config
@@ -307,13 +327,7 @@ class SpeakerTracker:
         if utt.embedded_to < reach or utt.doubtful:
             return False
         seg = self._segment_at(utt, sample)
-        spanned = (seg.count - 1) * self._hop + WINDOW_SAMPLES if seg.count else 0
-        return (
-            seg.speaker is not None
-            or seg is not utt.segments[-1]
-            or spanned >= self.config.decide_after_s * SAMPLE_RATE_HZ
-            or self._known_voice(seg)
-        )
+        return seg.speaker is not None or seg is not utt.segments[-1]
 
     def _known_voice(self, seg: _Segment) -> bool:
         """Whether ``seg``'s windows so far are decisively one known speaker's
