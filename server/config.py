@@ -138,6 +138,14 @@ class StreamingConfig:
 
 
 MAX_DECODE_LANES = 64  # each lane holds a copy of the model
+# The default share of the hop a lane's round of the admitted streams may fill
+# (``PipelineConfig.admission_utilization``), chosen so that the estimate lands on what
+# ``make bench-capacity`` sustains at final p95 <= 2 s (4 streams with tiny.en on a 2-core
+# CPU, where the decode lanes were only ~0.7 busy at 4-6 streams: the latency limit comes
+# before the cores are full). Three quiet startups there (bench-decoder 2 s window 114 ms)
+# timed a 4 s window of the calibration speech at 0.25-0.30 s; their seeds give 2/4/4 streams
+# at 0.6, 4/4/4 at 0.65-0.7, 4/4/6 at 0.75-0.8.
+ADMISSION_UTILIZATION = 0.7
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,11 @@ class PipelineConfig:
     max_queued_windows: int = 256  # windows waiting for a decode lane; more wait upstream
     capacity_hop_s: float = 1.0  # the longest a stream may wait between two of its decodes
     capacity_utilization: float = 0.8  # share of that hop the decode lanes may plan to be busy
+    # The share of that hop one lane's round of its part of the admitted streams may fill:
+    # the capacity estimate, and nothing else. The scheduler's cadence (how long a stream
+    # gathers audio between decodes under load) keeps ``capacity_utilization``: lowering
+    # that to admit fewer streams would also slow every admitted stream's decodes.
+    admission_utilization: float = ADMISSION_UTILIZATION
     # The head start in the queue of a decode a listener waits on (an utterance's first words,
     # a closing decode: ``DecodeJob.urgent``) over routine re-decodes: it goes before every
     # routine window queued less than this before it, and after older ones, so a routine
@@ -184,6 +197,10 @@ class PipelineConfig:
         if not 0 < self.capacity_utilization <= 1:
             raise ValueError(
                 f"capacity_utilization must be in (0, 1]; got {self.capacity_utilization}"
+            )
+        if not 0 < self.admission_utilization <= 1:
+            raise ValueError(
+                f"admission_utilization must be in (0, 1]; got {self.admission_utilization}"
             )
         if not 0 <= self.urgent_head_start_ms <= 10_000:
             raise ValueError(

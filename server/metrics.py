@@ -258,6 +258,11 @@ class Metrics:
             "The most the capacity estimate may say (startup calibration, or --capacity; at "
             "most max_sessions)",
         )
+        self.capacity_admission_budget_s = Gauge(
+            "whisperwire_capacity_admission_budget_seconds",
+            "The time a decode lane's round of its share of the admitted streams may take "
+            "(--capacity-hop-s times --admission-utilization)",
+        )
         self.capacity_window_s = Gauge(
             "whisperwire_capacity_window_seconds",
             "Typical audio of a real-time stream's window (median of the recent ones)",
@@ -297,6 +302,7 @@ class Metrics:
             self.capacity_measured_streams,
             self.capacity_floor_streams,
             self.capacity_ceiling_streams,
+            self.capacity_admission_budget_s,
             self.capacity_window_s,
             self.capacity_window_cost_s,
             self.capacity_catch_up_calls,

@@ -474,6 +474,7 @@ async def test_http_routes(server_url: str) -> None:
         "whisperwire_capacity_measured_streams",
         "whisperwire_capacity_floor_streams",
         "whisperwire_capacity_ceiling_streams",
+        "whisperwire_capacity_admission_budget_seconds",
         "whisperwire_capacity_window_seconds",
         "whisperwire_capacity_window_cost_seconds",
         "whisperwire_capacity_catch_up_calls_total",
@@ -984,10 +985,12 @@ async def test_many_clients_that_never_read_are_dropped_and_others_are_served(
 # --------------------------------------------------------------------------- capacity
 #
 # The scripted engine with a modelled cost: 0.1 s a call and 0.2 s a window. A round of every
-# stream may take 0.6 s, in batches of two: two streams take 0.5 s, three 0.8 s (a batch of
-# two, then one), so the capacity estimate is two streams.
+# admitted stream may take 0.6 s, in batches of two: two streams take 0.5 s, three 0.8 s (a
+# batch of two, then one), so the capacity estimate is two streams.
 
-CAPACITY_PIPELINE = PipelineConfig(max_batch_size=2, capacity_hop_s=0.6, capacity_utilization=1.0)
+CAPACITY_PIPELINE = PipelineConfig(
+    max_batch_size=2, capacity_hop_s=0.6, capacity_utilization=1.0, admission_utilization=1.0
+)
 REFUSED = "whisperwire_sessions_refused_total"
 
 
@@ -1022,6 +1025,7 @@ async def test_a_stream_beyond_the_capacity_estimate_is_refused_at_once(speech_d
         url = stream_url(srv.url)
         page = srv.metrics.render()
         assert metric_value(page, "whisperwire_capacity_streams") == 2  # from the seeds
+        assert metric_value(page, "whisperwire_capacity_admission_budget_seconds") == 0.6
         assert metric_value(page, "whisperwire_capacity_headroom_streams") == 2
         async with connect(url) as first, connect(url) as second:
             for ws in (first, second):
@@ -1135,7 +1139,8 @@ async def test_a_pace_0_burst_of_the_real_model_leaves_the_capacity_estimate_alo
     """Issue #32: four clients sending an 11 s clip as fast as they can took the estimate
     from 6 to 2, and two of the next four real-time clients were refused. Their windows are
     catch-up (backlog, not what a stream costs) and the estimate moves only on agreeing calls:
-    it stays, and four real-time clients are all served. Two lanes, as on our 2-core CPUs."""
+    it stays, and as many real-time clients as the burst (four on our CPUs) are all served.
+    Two lanes, as on our 2-core CPUs."""
     from client.sources import FileSource
     from client.stream import stream_audio
     from server.engine.engine import EngineConfig
@@ -1150,20 +1155,24 @@ async def test_a_pace_0_burst_of_the_real_model_leaves_the_capacity_estimate_alo
     async with WhisperwireServer(load, server=config, pipeline=lanes) as srv:
         url = stream_url(srv.url)
         start = srv.capacity_streams
-        assert start >= 4, srv.capacity_summary()  # tiny.en on two lanes of our CPUs
-        burst = [stream_audio(url, FileSource(clip), pace=0) for _ in range(4)]
+        # tiny.en on two lanes: 4 on our CPUs (a 2 s window in 90-115 ms), 2 on slower ones.
+        assert start >= 2, srv.capacity_summary()
+        clients = min(start, 4)
+        burst = [stream_audio(url, FileSource(clip), pace=0) for _ in range(clients)]
         results = await asyncio.wait_for(asyncio.gather(*burst), WAIT_S)
         assert all(r.text for r in results)
         page = srv.metrics.render()
         assert metric_value(page, "whisperwire_capacity_catch_up_calls_total") >= 1
         assert srv.capacity_streams == start, srv.capacity_summary()
-        real_time = [stream_audio(url, FileSource(clip), pace=1.0) for _ in range(4)]
+        backlog = srv.pipeline.capacity.catch_up_calls
+        real_time = [stream_audio(url, FileSource(clip), pace=1.0) for _ in range(clients)]
         results = await asyncio.wait_for(asyncio.gather(*real_time), 2 * WAIT_S)
         assert all(r.text for r in results)
         assert srv.metrics.sessions_refused.value("capacity") == 0
-        # Their calls are what a stream costs: the estimate may follow them, never below the
-        # four it just carried.
-        assert srv.capacity_streams >= 4, srv.capacity_summary()
+        # Their calls are what a stream costs: fitted, none counted as backlog. (The estimate
+        # may follow them down: here the suite's other workers share the cores and calls are
+        # timed on the wall. Quiet, `make bench-capacity` reports it after each step.)
+        assert srv.pipeline.capacity.catch_up_calls == backlog, srv.capacity_summary()
 
 
 # --------------------------------------------------------------------------- faults, overload

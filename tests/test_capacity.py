@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from server.config import ADMISSION_UTILIZATION
 from server.decode.capacity import BatchCost, CapacityModel, CostFit, fit_cost, streams_within
 
 
@@ -124,6 +125,7 @@ def model(**overrides: float) -> CapacityModel:
     options: dict[str, float] = {
         "hop_s": 1.0,
         "utilization": 0.8,
+        "admission_utilization": 0.8,
         "max_batch_size": 8,
         "settle_calls": 16,
     }
@@ -131,6 +133,7 @@ def model(**overrides: float) -> CapacityModel:
     return CapacityModel(
         hop_s=options["hop_s"],
         utilization=options["utilization"],
+        admission_utilization=options["admission_utilization"],
         max_batch_size=int(options["max_batch_size"]),
         settle_calls=int(options["settle_calls"]),
     )
@@ -205,7 +208,7 @@ def test_a_machine_too_slow_for_one_stream_still_serves_one() -> None:
 
 def test_the_typical_window_is_the_median_of_the_clients_windows() -> None:
     m = model()
-    m.seed([9.0], 0.3)  # synthetic windows do not count
+    m.seed([9.0], 0.3)  # the calibration's windows do not count
     assert m.typical_window_s == m.default_window_s
     m.observe([2.0, 3.0], 0.3)
     m.observe([10.0], 0.3)
@@ -227,7 +230,7 @@ def test_seeds_take_the_level_of_the_clients_calls() -> None:
     seed = CostFit(fixed_s=0.1, per_window_s=0.2, per_audio_s=0.0)
     for c in calls(seed, [(1, 4.0), (1, 8.0), (4, 4.0)]):
         m.seed([c.audio_s / c.windows] * c.windows, c.cost_s)
-    # Speech costs half as much again as the noise of the seeds, at batch size 1:
+    # The clients' calls cost half as much again as the seeds, at batch size 1:
     m.observe([4.0], 1.5 * seed.batch_s(1, 4.0))
     fit = m.fit
     assert fit is not None
@@ -242,7 +245,7 @@ def test_seeds_take_the_level_of_the_clients_calls() -> None:
 
 
 def test_seeds_keep_the_fit_determined_while_the_clients_calls_cannot() -> None:
-    m = model(hop_s=0.6, utilization=1.0)
+    m = model(hop_s=0.6, utilization=1.0, admission_utilization=1.0)
     for shape, cost_s in (([4.0], 0.3), ([8.0], 0.3), ([4.0, 4.0], 0.5)):
         m.seed(shape, cost_s)  # 0.1 s + 0.2 s per window
     # One client call: alone it could as well mean 60 ms per window and 48 ms per second.
@@ -273,9 +276,45 @@ def test_recent_calls_replace_old_ones_of_the_same_size() -> None:
     assert fit.batch_s(1, 4.0) == pytest.approx(0.4)
 
 
+def test_admission_has_its_own_budget_and_the_cadence_keeps_the_utilization() -> None:
+    cadence = model()  # both 0.8: a round may take 0.8 s
+    strict = model(admission_utilization=0.4)  # admitted streams' round: 0.4 s
+    for m in (cadence, strict):
+        for _ in range(3):
+            m.observe([4.0], 0.3)  # 0.1 s + 0.2 s per window
+            m.observe([4.0, 4.0], 0.5)
+    assert cadence.measured_streams() == 3  # 0.7 s; four would take 0.9 s
+    assert strict.measured_streams() == 1  # 0.3 s; two would take 0.5 s
+    assert strict.admission_budget_s == pytest.approx(0.4)
+    # What each admitted stream is asked to gather between decodes, and in what batches,
+    # does not change: it plans the lanes 80% busy either way.
+    for n in (1, 2, 3, 4):
+        assert strict.stream_hop_s(n) == pytest.approx(cadence.stream_hop_s(n)), n
+        assert strict.batch_size(n) == cadence.batch_size(n), n
+    assert strict.stream_hop_s(2) == pytest.approx(0.6 / 0.8)
+    assert "admission round budget 400 ms (0.4 of the 1 s hop; the cadence plans 0.8)" in (
+        strict.describe()
+    )
+
+
+def test_the_floor_and_the_ceiling_come_from_the_admission_budget() -> None:
+    m = model(admission_utilization=0.4)
+    m.lanes = 2
+    for shape, cost_s in (([4.0], 0.3), ([8.0], 0.3), ([4.0, 4.0], 0.5)):
+        m.seed(shape, cost_s)  # 0.1 s + 0.2 s per window: one stream a lane in 0.4 s
+    assert m.calibrated_bounds() == (1, 2)  # (3, 6) at 0.8
+
+
 @pytest.mark.parametrize(
     "overrides",
-    [{"hop_s": 0.0}, {"utilization": 0.0}, {"utilization": 1.5}, {"max_batch_size": 0}],
+    [
+        {"hop_s": 0.0},
+        {"utilization": 0.0},
+        {"utilization": 1.5},
+        {"admission_utilization": 0.0},
+        {"admission_utilization": 1.5},
+        {"max_batch_size": 0},
+    ],
 )
 def test_bad_settings_are_refused(overrides: dict[str, float]) -> None:
     with pytest.raises(ValueError):
@@ -290,18 +329,33 @@ def test_a_call_of_no_windows_is_refused() -> None:
 # --------------------------------------------------------------------------- on any history
 #
 # Calls a real server timed (tests/capacity_calls.json: tiny.en on two lanes of a 2-core CPU):
-# its startup seeds, four clients sending an 11 s clip at pace 0 at once, then the same four
-# at 1x. Before catch-up was told apart and the estimate held, the burst took it from 10 to 4
-# here (to 2 with the clients as processes of their own: issue #32).
+# four clients sending an 11 s clip at pace 0 at once, then the same four at 1x; the startup
+# seeds on the calibration's speech (``seeds``), and on the noise it decoded before
+# (``noise_seeds``). Before catch-up was told apart and the estimate held, the burst took the
+# noise-seeded estimate from 10 to 4 here (to 2 with the clients as processes of their own),
+# and the noise seeds said 6-10 where the machine carries 4 (issue #32).
+#
+# What make bench-capacity sustains on that machine at final p95 <= 2 s
+# (max_streams_p95_final_le_2s, bench/results/capacity.json): the estimate's target on any
+# history is this or one more, never less.
+SUSTAINED = 4
 
 RECORDED = json.loads((Path(__file__).parent / "capacity_calls.json").read_text())
 
 
-def recorded_model(**options: int) -> CapacityModel:
+def recorded_model(
+    seeds: str = "seeds", admission_utilization: float = ADMISSION_UTILIZATION, **options: int
+) -> CapacityModel:
     """A 2-lane server's model after its startup calibration, as ``Pipeline`` leaves it."""
-    m = CapacityModel(hop_s=1.0, utilization=0.8, max_batch_size=8, **options)
+    m = CapacityModel(
+        hop_s=1.0,
+        utilization=0.8,
+        admission_utilization=admission_utilization,
+        max_batch_size=8,
+        **options,
+    )
     m.lanes = 2
-    for windows, cost_s in RECORDED["seeds"]:
+    for windows, cost_s in RECORDED[seeds]:
         m.seed(windows, cost_s)
     bounds = m.calibrated_bounds()
     assert bounds is not None
@@ -315,7 +369,7 @@ def feed(m: CapacityModel, phase: str, *, catch_up: bool = True) -> None:
 
 
 def test_a_calibration_slower_than_the_round_budget_bounds_the_estimate_at_one() -> None:
-    m = CapacityModel(hop_s=1.0, utilization=0.8, max_batch_size=8)
+    m = CapacityModel(hop_s=1.0, utilization=0.8, admission_utilization=0.8, max_batch_size=8)
     m.seed([4.0], 0.9)  # one 4 s window alone overruns the 0.8 s budget
     assert m.calibrated_bounds() == (1, 1)  # was (1, 0), which set_bounds refused
     m.set_bounds(1, 1, "startup calibration")
@@ -326,8 +380,24 @@ def test_at_an_idle_start_the_estimate_is_the_calibrations_and_bounded_by_it() -
     m = recorded_model()
     start = m.streams(limit=32)
     assert (m.floor, m.ceiling) == (start // 2, start)
-    assert start == m.measured_streams() == 10  # 0.8 s / 140 ms per 4 s window, two lanes
-    assert "held within 5-10 (startup calibration)" in m.explain(limit=32)
+    # 60 ms + 61 ms per audio second: a lane's round of two 4 s windows (0.55 s) fits the
+    # admission budget, of three (0.79 s) does not; two lanes.
+    assert start == m.measured_streams() == SUSTAINED
+    explained = m.explain(limit=32)
+    assert "held within 2-4 (startup calibration)" in explained
+    budget = (
+        f"admission round budget {ADMISSION_UTILIZATION * 1000:.0f} ms "
+        f"({ADMISSION_UTILIZATION:g} of the 1 s hop; the cadence plans 0.8)"
+    )
+    assert budget in explained
+
+
+def test_the_noise_seeds_promised_more_than_the_machine_carries() -> None:
+    # The first cause of issue #32, kept as a check on the recorded noise seeds: faint noise
+    # decodes fewer tokens than speech, so its seeds under-cost a stream.
+    for admission_utilization in (0.8, ADMISSION_UTILIZATION):
+        m = recorded_model("noise_seeds", admission_utilization)
+        assert m.streams(limit=32) >= SUSTAINED + 2, admission_utilization
 
 
 def test_a_pace_0_burst_is_backlog_and_leaves_the_estimate_where_it_was() -> None:
@@ -340,10 +410,11 @@ def test_a_pace_0_burst_is_backlog_and_leaves_the_estimate_where_it_was() -> Non
 
 
 def test_without_telling_catch_up_apart_or_holding_the_burst_halves_the_estimate() -> None:
-    # The cause, kept as a check that the recorded burst still shows it: its long windows set
-    # the typical window, and its eight calls, timed while the server took in 44 s of audio at
-    # once, rescale the seeds by 1.7.
-    m = recorded_model(settle_calls=1)
+    # The cause, kept as a check that the recorded burst still shows it on the server it was
+    # recorded on (noise seeds, the whole hop at 0.8): its long windows set the typical
+    # window, and its eight calls, timed while the server took in 44 s of audio at once,
+    # rescale the seeds by 1.7.
+    m = recorded_model("noise_seeds", 0.8, settle_calls=1)
     m.set_bounds(1, 32, "none")
     start = m.streams(limit=32)
     feed(m, "burst", catch_up=False)
@@ -369,13 +440,14 @@ def test_hysteresis_takes_agreeing_calls_to_move_one_stream() -> None:
     assert m.streams(limit=32) == 1
 
 
-def test_a_real_time_load_keeps_it_within_one_stream_and_a_long_idle_changes_nothing() -> None:
+def test_on_any_history_the_estimate_is_what_the_machine_carries_or_one_more() -> None:
     m = recorded_model()
     start = m.streams(limit=32)
     feed(m, "burst")
     feed(m, "realtime")
     after_load = m.streams(limit=32)
-    assert abs(after_load - start) <= 1
+    assert SUSTAINED <= start <= SUSTAINED + 1
+    assert SUSTAINED <= after_load <= SUSTAINED + 1
     assert m.floor is not None and m.ceiling is not None
     assert m.floor <= m.measured_streams() <= 2 * m.ceiling  # the fit itself is sane
     # An idle server times nothing: its estimate is the one its last clients left.

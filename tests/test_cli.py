@@ -74,3 +74,21 @@ def test_the_speculative_closing_decode_is_on_unless_turned_off() -> None:
     parser = build_parser()
     assert parser.parse_args([]).speculative_closing is StreamingConfig().speculative_closing
     assert parser.parse_args(["--no-speculative-closing"]).speculative_closing is False
+
+
+def test_admission_has_a_flag_of_its_own_and_is_checked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from server.config import ADMISSION_UTILIZATION, PipelineConfig
+
+    parser = build_parser()
+    args = parser.parse_args([])
+    assert args.admission_utilization == PipelineConfig().admission_utilization
+    assert args.admission_utilization == ADMISSION_UTILIZATION
+    assert args.capacity_utilization == PipelineConfig().capacity_utilization
+    assert parser.parse_args(["--admission-utilization", "0.5"]).admission_utilization == 0.5
+    for bad in ("0", "1.5"):
+        with pytest.raises(SystemExit) as exited:
+            main(["--admission-utilization", bad])
+        assert exited.value.code == 2
+        assert "admission_utilization must be in (0, 1]" in capsys.readouterr().err

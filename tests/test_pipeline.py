@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import multiprocessing
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from server.config import PipelineConfig
 from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, Window
 from server.core.session import DecodeJob, Session
 from server.core.speakers import EmbedJob
+from server.decode.calibration import speech_windows
 from server.decode.pipeline import Pipeline
 from server.decode.stream_driver import DriverOutcome, StreamDriver
 from server.protocol.errors import DecodeError
@@ -549,15 +551,38 @@ async def test_a_client_that_does_not_read_overflows_its_outbox() -> None:
 # --------------------------------------------------------------------------- capacity
 
 
-async def test_start_seeds_the_capacity_model_with_timed_calls() -> None:
-    engine = ScriptedEngine(call_cost_s=0.05, window_cost_s=0.02)
+class WindowRecordingEngine(ScriptedEngine):
+    """The scripted engine, recording the "mel" (the audio itself) of every window of every
+    call, and costing ``first_call_s`` more on the first call of each batch shape."""
+
+    def __init__(self, first_call_s: float = 0.0) -> None:
+        super().__init__(call_cost_s=0.05, window_cost_s=0.02)
+        self.first_call_s = first_call_s
+        self.audio: list[list[np.ndarray]] = []
+
+    def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
+        shape = [w.request.audio_s for w in windows]
+        if shape not in self.batches and self.first_call_s > 0:
+            time.sleep(self.first_call_s)  # a new size's first allocations
+        self.audio.append([w.mel for w in windows])
+        return super().decode_windows(windows)
+
+
+async def test_start_seeds_the_capacity_model_with_timed_calls_on_speech() -> None:
+    engine = WindowRecordingEngine()
     pipeline = Pipeline(PipelineConfig(max_batch_size=8))
     await pipeline.start(lambda: engine)
     try:
         typical = pipeline.capacity.typical_window_s
-        # Batches of one at two lengths and one of several, after the warm-up.
+        # Batches of one at two lengths and one of several, each twice, after the warm-up.
         assert engine.warmups == 1
-        assert engine.batches == [[typical], [2 * typical], [typical] * 4]
+        shapes = [[typical], [2 * typical], [typical] * 4]
+        assert engine.batches == [shape for shape in shapes for _ in range(2)]
+        # Each window is a slice of the shipped speech, different ones in the batch.
+        for audio, shape in zip(engine.audio[::2], shapes, strict=True):
+            expected = speech_windows(len(shape), shape[0])
+            assert all(map(np.array_equal, audio, expected))
+        assert not np.array_equal(engine.audio[4][0], engine.audio[4][1])
         fit = pipeline.capacity.fit
         assert fit is not None
         assert fit.batch_s(1, typical) == pytest.approx(0.07, abs=0.02)
@@ -565,6 +590,52 @@ async def test_start_seeds_the_capacity_model_with_timed_calls() -> None:
         assert pipeline.metrics.batch_size.count == 0  # the seeds are not client traffic
     finally:
         await pipeline.close()
+
+
+async def test_the_calibration_keeps_the_cheaper_run_of_each_shape() -> None:
+    engine = WindowRecordingEngine(first_call_s=0.3)
+    pipeline = Pipeline(PipelineConfig(max_batch_size=8))
+    await pipeline.start(lambda: engine)
+    try:
+        fit = pipeline.capacity.fit
+        assert fit is not None
+        typical = pipeline.capacity.typical_window_s
+        # What the second runs cost (0.05 s + 0.02 s a window), not the first's 0.3 s more.
+        assert fit.batch_s(1, typical) == pytest.approx(0.07, abs=0.02)
+        assert fit.batch_s(4, 4 * typical) == pytest.approx(0.13, abs=0.02)
+    finally:
+        await pipeline.close()
+
+
+async def test_admission_has_its_own_budget_and_the_cadence_keeps_the_utilization() -> None:
+    """Two pipelines alike but for ``admission_utilization``: the stricter admits fewer
+    streams, and both ask the streams they carry to gather audio at the cadence that plans
+    the lanes ``capacity_utilization`` busy."""
+    pipelines = []
+    for admission_utilization in (0.8, 0.2):
+        engine = ScriptedEngine(call_cost_s=0.05, window_cost_s=0.1)
+        config = PipelineConfig(
+            capacity_utilization=0.8, admission_utilization=admission_utilization
+        )
+        pipeline = Pipeline(config)
+        await pipeline.start(lambda: engine)  # noqa: B023 (awaited within the iteration)
+        pipelines.append(pipeline)
+    try:
+        loose, strict = (p.capacity for p in pipelines)
+        # A 4 s window costs 0.15 s: one fits a 0.2 s round, seven a 0.8 s one.
+        assert strict.admission_budget_s == pytest.approx(0.2)
+        assert strict.streams(limit=32) == 1 < loose.streams(limit=32)
+        for pipeline in pipelines:
+            capacity = pipeline.capacity
+            fit = capacity.fit
+            assert fit is not None
+            for n in range(1, 5):
+                pipeline.add_stream()
+                round_s = fit.round_s(n, capacity.typical_window_s, capacity.batch_size(n))
+                assert pipeline.stream_hop_s() == pytest.approx(round_s / 0.8), n
+    finally:
+        for pipeline in pipelines:
+            await pipeline.close()
 
 
 async def test_without_warmup_the_estimate_waits_for_the_clients() -> None:
@@ -786,11 +857,11 @@ async def test_the_calibration_on_cpu_time_leaves_out_the_time_a_lane_waited_off
     CPU backend's), the wait is not what a stream costs."""
     bounds: dict[bool, tuple[int | None, int | None]] = {}
     for cpu_time in (False, True):
-        engine = ScriptedEngine(window_cost_s=0.85)  # over the 0.8 s round budget
+        engine = ScriptedEngine(window_cost_s=0.85)  # over the 0.7 s admission round budget
         pipeline = Pipeline(PipelineConfig(max_batch_size=1, calibrate_on_cpu_time=cpu_time))
         await pipeline.start(lambda: engine)  # noqa: B023 (awaited within the iteration)
         try:
-            assert len(engine.batches) == 3  # the calibration's calls
+            assert len(engine.batches) == 6  # the calibration's calls: three shapes, twice
             bounds[cpu_time] = (pipeline.capacity.floor, pipeline.capacity.ceiling)
         finally:
             await pipeline.close()

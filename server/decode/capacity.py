@@ -28,9 +28,19 @@ soon as its last result is back. With ``N`` streams on ``lanes`` lanes, each lan
 ``ceil(N / lanes)`` windows of the typical length (the median of the recent windows), decoded
 in engine calls of at most ``max_batch_size``; the lanes run their rounds side by side (each
 is a core of its own, and its calls are timed as they ran, next to the others). The capacity
-is the largest ``N`` whose lane round fits in ``hop_s * utilization``: ``hop_s`` is the
-longest a stream may wait between two decodes, ``utilization`` the share of it a lane may plan
-to be busy (the rest absorbs bursts, loop-guard retries and other work on the same cores).
+is the largest ``N`` whose lane round fits in ``hop_s * admission_utilization``: ``hop_s`` is
+the longest a stream may wait between two decodes, ``admission_utilization`` the share of it
+the admitted streams' round may fill. It is ``per_lane * lanes``, so on two lanes it moves in
+steps of two.
+
+**Two budgets.** ``utilization`` is the share of the hop a lane may plan to be busy at the
+load it has (the rest absorbs bursts, loop-guard retries and other work on the same cores):
+the scheduler's cadence (``stream_hop_s``) and batches (``batch_size``) keep within it.
+Admission has a budget of its own (``admission_utilization``): what limits the streams a
+machine carries is the latency of their finals, whose p95 passes 2 s before the cores are
+full (tiny.en on a 2-core CPU: beyond 4 streams, with the lanes ~0.7 busy), while a round
+that fills ``utilization`` measures throughput. Lowering ``utilization`` instead would also
+stretch every admitted stream's cadence under load.
 
 **What a real-time stream costs, not whatever calls happened.** Three things kept a burst of
 clients sending faster than real time (``whisperwire stream --pace 0``) from being taken for
@@ -49,11 +59,10 @@ what a stream costs; before them, four such clients on a 2-core CPU moved the es
   one stream at a time, and only after ``settle_calls`` fitted calls in a row said it should:
   the seeds are rescaled to the level of the clients' calls (``seed_scale``), so a handful
   of calls would otherwise replace the whole estimate.
-- *A floor and a ceiling from this machine* (``set_bounds``): the startup calibration's own
-  figure is the ceiling (its noise windows decode fewer tokens than speech, so speech never
-  costs less), and half of it the floor (speech cost 1.1-1.7 times the seeds on the CPU
-  this was measured on); an operator who measured the machine (``make bench-capacity``)
-  pins both with ``--capacity``.
+- *A floor and a ceiling from this machine* (``set_bounds``, ``calibrated_bounds``): the
+  startup calibration's own figure is the ceiling and ``FLOOR_SHARE`` of it the floor; an
+  operator who measured the machine (``make bench-capacity``) pins both with
+  ``--capacity``.
 """
 
 from __future__ import annotations
@@ -81,10 +90,13 @@ _NEGATIVE_TOLERANCE = 1e-12
 # short speech, VadConfig.short_speech_end_silence_ms) past its closing decode, and the
 # jitter of 100 ms frames; a reconnect replays seconds, a file at pace 0 all of itself.
 CATCH_UP_S = 1.5
-# Speech costs up to this many times what the calibration's noise windows cost (tiny.en on a
-# 2-core CPU: 4 s windows 129 ms as noise, 136-226 ms as speech among four 1x streams), so
-# the calibrated figure over this is the floor.
-SPEECH_OVER_NOISE = 2.0
+# The floor is this share of the calibration's estimate (CapacityModel.calibrated_bounds).
+# Real-time streams' calls cost 0.4-1.4 times what the speech seeds predict (10th to 90th
+# percentile, median 0.6: four streams of jfk.wav on tiny.en, 2-core CPU,
+# tests/capacity_calls.json), so a fit that says less than half the seeds' figure is taken
+# for calls the server was disturbed in (another process on the cores, a stall), not for
+# what the machine carries.
+FLOOR_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -176,9 +188,9 @@ def streams_within(
 class CapacityModel:
     """The recent engine calls, the cost fitted to them, and the stream count it implies.
 
-    ``seed`` takes calls timed at startup on synthetic windows, ``observe`` the calls the
-    lanes run for clients. The synthetic windows are low-level noise, which decodes
-    fewer tokens than speech (9 against 19 for a 4 s window of tiny.en), so the seeds are
+    ``seed`` takes calls timed at startup on the calibration's speech, ``observe`` the calls
+    the lanes run for clients. The seeds ran on one lane while the others idled, the clients'
+    calls run next to the other lanes and the ingest of every stream, so the seeds are
     trusted for the shape of the cost (what batching buys) and the clients' calls for its
     level: the seeds stay in the fit as a prior, scaled by how much dearer the clients' calls
     were than the seeds predicted. A few seeds weigh little once a batch size has
@@ -196,6 +208,7 @@ class CapacityModel:
         *,
         hop_s: float,
         utilization: float,
+        admission_utilization: float,
         max_batch_size: int,
         calls_per_size: int = 32,
         recent_windows: int = 256,
@@ -204,8 +217,12 @@ class CapacityModel:
     ) -> None:
         if hop_s <= 0:
             raise ValueError(f"hop_s must be > 0; got {hop_s}")
-        if not 0 < utilization <= 1:
-            raise ValueError(f"utilization must be in (0, 1]; got {utilization}")
+        for name, share in (
+            ("utilization", utilization),
+            ("admission_utilization", admission_utilization),
+        ):
+            if not 0 < share <= 1:
+                raise ValueError(f"{name} must be in (0, 1]; got {share}")
         if min(max_batch_size, calls_per_size, recent_windows, settle_calls) < 1:
             raise ValueError(
                 "max_batch_size, calls_per_size, recent_windows and settle_calls must be >= 1"
@@ -213,7 +230,8 @@ class CapacityModel:
         if default_window_s <= 0:
             raise ValueError(f"default_window_s must be > 0; got {default_window_s}")
         self.hop_s = hop_s
-        self.utilization = utilization
+        self.utilization = utilization  # the cadence's: stream_hop_s, batch_size
+        self.admission_utilization = admission_utilization  # the estimate's
         self.lanes = 1  # decode lanes working side by side (the pipeline keeps it current)
         self.max_batch_size = max_batch_size
         self.default_window_s = default_window_s  # the typical window before any client's
@@ -234,13 +252,13 @@ class CapacityModel:
         self._pressure = 0
 
     @property
-    def budget_s(self) -> float:
-        """The time one round of every stream may take."""
-        return self.hop_s * self.utilization
+    def admission_budget_s(self) -> float:
+        """The time a lane's round of its share of the admitted streams may take."""
+        return self.hop_s * self.admission_utilization
 
     def seed(self, window_audio_s: Sequence[float], cost_s: float) -> None:
-        """A call timed on synthetic windows: it informs the cost, not the typical window.
-        The published estimate starts from the seeds' (``measured_streams``)."""
+        """A call timed by the startup calibration: it informs the cost, not the typical
+        window. The published estimate starts from the seeds' (``measured_streams``)."""
         self._seeds.append(_call(window_audio_s, cost_s))
         self._seed_fit = fit_cost(self._seeds)
         self._stale = True
@@ -281,14 +299,24 @@ class CapacityModel:
             self._held = self._bounded(self._held if self._held is not None else ceiling)
 
     def calibrated_bounds(self) -> tuple[int, int] | None:
-        """The floor and ceiling the seeds alone imply: their estimate (noise decodes fewer
-        tokens than speech: speech never costs less) and that over ``SPEECH_OVER_NOISE``,
-        each at least 1 (a window that alone overruns the round budget is still served, late,
-        as ``measured_streams`` says); None before any seed."""
+        """The floor and ceiling the seeds alone imply, each at least 1 (a window that alone
+        overruns the admission budget is still served, late, as ``measured_streams`` says);
+        None before any seed.
+
+        The ceiling is the seeds' estimate: they decode speech as a stream's window holds it
+        (``server.decode.calibration``), and the admission budget was set so that this figure
+        is what the machine carries at final p95 <= 2 s
+        (``server.config.ADMISSION_UTILIZATION``). The clients' calls may cost less (a
+        re-decode guided by its previous result's tokens, speech slower than a reader's: the
+        calls of four real-time streams of jfk.wav fit 6 streams on tiny.en, 2-core CPU,
+        where the seeds say 4, what ``make bench-capacity`` sustains there); the budget was
+        set against the seeds' figure, so the estimate follows the clients' calls down from
+        it, not above it. The floor is ``FLOOR_SHARE`` of the ceiling.
+        """
         if self._seed_fit is None:
             return None
         ceiling = max(1, self._streams_of(self._seed_fit, self.default_window_s, _UNBOUNDED))
-        return max(1, math.floor(ceiling / SPEECH_OVER_NOISE)), ceiling
+        return max(1, math.floor(ceiling * FLOOR_SHARE)), ceiling
 
     @property
     def seed_scale(self) -> float:
@@ -333,8 +361,9 @@ class CapacityModel:
         return max(1, min(limit, self._held))
 
     def measured_streams(self, limit: int = 1 << 16) -> int:
-        """Streams the lanes keep within the hop by the fit as it stands, between 1 and
-        ``limit``; ``limit`` while nothing has been measured.
+        """Streams whose rounds the lanes keep within the admission budget
+        (``admission_budget_s``) by the fit as it stands, between 1 and ``limit``; ``limit``
+        while nothing has been measured.
 
         Never below 1: a machine too slow to keep even one stream within the hop still serves
         one, late, rather than refusing everyone.
@@ -345,7 +374,9 @@ class CapacityModel:
         return max(1, self._streams_of(fit, self.typical_window_s, limit))
 
     def _streams_of(self, fit: CostFit, window_s: float, limit: int) -> int:
-        per_lane = streams_within(fit, self.budget_s, window_s, self.max_batch_size, limit)
+        per_lane = streams_within(
+            fit, self.admission_budget_s, window_s, self.max_batch_size, limit
+        )
         return min(limit, per_lane * self.lanes)
 
     def _bounded(self, streams: int) -> int:
@@ -436,7 +467,9 @@ class CapacityModel:
         return (
             f"{fit.fixed_s * 1000:.0f} ms + {fit.per_window_s * 1000:.0f} ms/window + "
             f"{fit.per_audio_s * 1000:.0f} ms/audio s; one {window_s:.1f} s window "
-            f"{fit.batch_s(1, window_s) * 1000:.0f} ms; round budget {self.budget_s * 1000:.0f} ms"
+            f"{fit.batch_s(1, window_s) * 1000:.0f} ms; admission round budget "
+            f"{self.admission_budget_s * 1000:.0f} ms ({self.admission_utilization:g} of the "
+            f"{self.hop_s:g} s hop; the cadence plans {self.utilization:g})"
         )
 
 

@@ -24,9 +24,10 @@ to the queue for another lane, and a new child replaces it. Nothing sleeps to po
 
 Capacity: every engine call the lanes make for clients is timed into ``Pipeline.capacity``
 (``server.decode.capacity``), which the app asks how many streams to admit. ``start`` seeds it
-with a few timed calls on synthetic windows, so the estimate exists before the first client. The
-same model sets how many windows a call takes (``CapacityModel.batch_size``: the batch that brings
-words to their final soonest) and the least audio a stream gathers between decodes.
+with a few timed calls on windows of a recording shipped for it (``server.decode.calibration``),
+so the estimate exists before the first client. The same model sets how many windows a call
+takes (``CapacityModel.batch_size``: the batch that brings words to their final soonest) and
+the least audio a stream gathers between decodes.
 
 Files: ``background`` runs engine calls that are no stream's window (the 30 s windows of an
 uploaded file, ``server.decode.file_transcription``) after the streams: one takes a lane only
@@ -68,12 +69,12 @@ from server.config import PipelineConfig
 from server.core.engine_api import DecodeRequest, DecodeResult, SpeechEngine, Window
 from server.core.session import DecodeJob
 from server.core.speakers import EmbedJob, SpeakerEmbedder
+from server.decode.calibration import speech_windows
 from server.decode.capacity import CapacityModel
 from server.decode.lanes import EngineCall, LaneLost, ProcessLane, ThreadLane
 from server.decode.lanes import settle_future as _settle
 from server.metrics import Metrics
 from server.protocol.errors import DecodeError
-from server.protocol.formats import SAMPLE_RATE_HZ
 
 logger = logging.getLogger("server.decode.pipeline")
 
@@ -140,7 +141,11 @@ class _LaneSlot:
 # in multiples of the typical window. Batches of one at two lengths and one batch of several
 # tell the per-call, per-window and per-audio-second costs apart.
 _CALIBRATION_SHAPES = ((1, 1.0), (1, 2.0), (4, 1.0))
-_CALIBRATION_NOISE_LEVEL = 0.01  # faint noise, like Engine.warmup's
+# Each shape is timed this many times and the cheapest kept: the speech decodes to the same
+# tokens each time, so what varies is only what timing adds (a core another process held, a
+# first call's allocations at a new size: tiny.en on a 2-core CPU took 0.37 s for its first
+# 4 s window of speech after warmup, 0.25 s for the next), never less than the call costs.
+_CALIBRATION_REPEATS = 2
 # A window in flight on lanes that died this many times fails instead of going round again:
 # it may be what kills them.
 _MAX_LOST_LANES = 2
@@ -165,6 +170,7 @@ class Pipeline:
         self.capacity = CapacityModel(
             hop_s=self.config.capacity_hop_s,
             utilization=self.config.capacity_utilization,
+            admission_utilization=self.config.admission_utilization,
             max_batch_size=self.config.max_batch_size,
         )
         self._engine: SpeechEngine | None = None
@@ -373,7 +379,7 @@ class Pipeline:
         self._speakers_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _calibrate(self, lane: ThreadLane) -> None:
-        """Time a few engine calls on noise windows into the capacity model (after warmup:
+        """Time a few engine calls on speech windows into the capacity model (after warmup:
         first-call costs would inflate them). The lanes are alike; one is timed. Unless an
         operator set them (``--capacity``), the seeds' own figure bounds the estimate
         (``CapacityModel.calibrated_bounds``)."""
@@ -381,22 +387,22 @@ class Pipeline:
         window_s = self.capacity.typical_window_s
         for windows, multiple in _CALIBRATION_SHAPES:
             size = min(windows, self.config.max_batch_size)
-            run = await lane.call(
-                functools.partial(
-                    _calibration_run,
-                    windows=size,
-                    audio_s=window_s * multiple,
-                    cpu_time=self.config.calibrate_on_cpu_time,
-                )
+            audio_s = window_s * multiple
+            call = functools.partial(
+                _calibration_run,
+                windows=size,
+                audio_s=audio_s,
+                cpu_time=self.config.calibrate_on_cpu_time,
             )
-            if not run.whole:
+            runs = [await lane.call(call) for _ in range(_CALIBRATION_REPEATS)]
+            if not all(run.whole for run in runs):
                 logger.warning(
                     "calibration call of %d window(s) failed; the capacity estimate waits "
                     "for the clients' calls",
                     size,
                 )
                 continue
-            self.capacity.seed([window_s * multiple] * size, run.elapsed_s)
+            self.capacity.seed([audio_s] * size, min(run.elapsed_s for run in runs))
         bounds = self.capacity.calibrated_bounds()
         if bounds is not None and self.capacity.floor is None:
             self.capacity.set_bounds(*bounds, "startup calibration")
@@ -786,17 +792,16 @@ def _decode_batch(engine: SpeechEngine, windows: list[Window]) -> _BatchRun:
 def _calibration_run(
     engine: SpeechEngine, windows: int, audio_s: float, *, cpu_time: bool = False
 ) -> _BatchRun:
-    """Runs on a lane: one timed call on ``windows`` noise windows (the
-    features are computed before the clock starts). ``cpu_time``: the call's cost is this
-    process's CPU time when that is less than the wall time (the lane waited for a core
-    another process held: measured on 2 cores busy with two other processes, 4 s windows took
-    2-3 times their wall time alone, their CPU time no more than alone;
-    ``PipelineConfig.calibrate_on_cpu_time``)."""
-    rng = np.random.default_rng(windows)
-    batch = []
-    for _ in range(windows):
-        noise = rng.standard_normal(round(audio_s * SAMPLE_RATE_HZ)) * _CALIBRATION_NOISE_LEVEL
-        batch.append(Window(engine.features(noise.astype(np.float32)), DecodeRequest(audio_s)))
+    """Runs on a lane: one timed call on ``windows`` windows of the calibration speech
+    (``server.decode.calibration``; the features are computed before the clock starts).
+    ``cpu_time``: the call's cost is this process's CPU time when that is less than the wall
+    time (the lane waited for a core another process held: measured on 2 cores busy with two
+    other processes, 4 s windows took 2-3 times their wall time alone, their CPU time no more
+    than alone; ``PipelineConfig.calibrate_on_cpu_time``)."""
+    batch = [
+        Window(engine.features(audio), DecodeRequest(audio_s))
+        for audio in speech_windows(windows, audio_s)
+    ]
     cpu_started = time.process_time()
     run = _decode_batch(engine, batch)
     if not cpu_time:

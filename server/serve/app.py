@@ -122,6 +122,7 @@ class WhisperwireServer:
         self.metrics.capacity_ceiling_streams.set_function(
             lambda: min(capacity.ceiling or self.config.max_sessions, self.config.max_sessions)
         )
+        self.metrics.capacity_admission_budget_s.set(capacity.admission_budget_s)
         self.metrics.capacity_window_s.set_function(lambda: capacity.typical_window_s)
         self.metrics.capacity_window_cost_s.set_function(
             lambda: fit.batch_s(1, capacity.typical_window_s) if (fit := capacity.fit) else 0.0

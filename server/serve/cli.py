@@ -6,6 +6,7 @@
                        [--closing-beam-size 5]
                        [--max-sessions 32] [--no-capacity-limit] [--capacity N]
                        [--capacity-hop-s 1] [--capacity-utilization 0.8]
+                       [--admission-utilization 0.7]
                        [--max-session-s 14400] [--idle-timeout-s 30] [--api-key KEY]
                        [--allowed-origin URL ...]
                        [--tls-cert PEM --tls-key PEM] [--drain-s 0] [--log-level info]
@@ -202,8 +203,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--capacity-utilization",
         type=float,
         default=p.capacity_utilization,
-        help="for the capacity estimate: the share of that wait a decode lane may be busy "
+        help="for the decode cadence: the share of that wait a decode lane may plan to be "
+        "busy; under load each stream gathers more audio between decodes to stay within it "
         "(default %(default)s)",
+    )
+    limits.add_argument(
+        "--admission-utilization",
+        type=float,
+        default=p.admission_utilization,
+        help="for the capacity estimate: the share of that wait a decode lane's round of the "
+        "admitted streams may fill; lower admits fewer streams without slowing the decodes "
+        "of those admitted (default %(default)s)",
     )
     limits.add_argument(
         "--max-session-s",
@@ -308,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_wait_ms=args.batch_wait_ms,
             capacity_hop_s=args.capacity_hop_s,
             capacity_utilization=args.capacity_utilization,
+            admission_utilization=args.admission_utilization,
         )
         from server.engine.engine import EngineConfig
 
