@@ -290,3 +290,25 @@ def test_the_tentative_end_comes_as_soon_as_the_silence_covers_the_pad() -> None
         elif vad.tentative_end is None and vad.in_speech:
             first = None  # speech came back: the next pause gives a new one
     assert first is not None
+
+
+def test_voiced_seconds_count_speech_and_not_silence() -> None:
+    clip = _load(CLIP)
+    samples = np.concatenate([_silence(2.0), clip, _silence(2.0)])
+    vad = VadSegmenter(VadConfig())
+    vad.receive(samples)
+    start, end = _energy_bounds(clip)
+    assert vad.voiced_s(0, 2 * SECOND) == 0.0
+    assert vad.voiced_s(samples.size - 2 * SECOND, samples.size) == 0.0
+    speech_s = (end - start) / SECOND
+    # Read speech: most of it voiced, never more than the span.
+    assert 0.6 * speech_s <= vad.voiced_s(2 * SECOND + start, 2 * SECOND + end) <= speech_s
+    middle = 2 * SECOND + (start + end) // 2
+    assert vad.voiced_s(0, middle) + vad.voiced_s(middle, samples.size) == pytest.approx(
+        vad.voiced_s(0, samples.size)
+    )
+    after = vad.voiced_s(middle, samples.size)
+    vad.forget_before(2 * SECOND)  # nothing voiced ends before the speech
+    assert vad.voiced_s(0, samples.size) == pytest.approx(after + vad.voiced_s(0, middle))
+    vad.forget_before(samples.size)
+    assert vad.voiced_s(0, samples.size) == 0.0

@@ -19,7 +19,11 @@ How text is produced:
 - The window is cut after a committed word that ends a sentence, and at the last committed
   word when it grows past ``max_window_s``; committed text before the cut is the prompt. The
   new window starts at the last ``cut_carry_words`` committed words and hears them again as
-  its forced prefix, so a word that starts near the cut is never lost.
+  its forced prefix, so a word that starts near the cut is never lost. When their times were
+  estimated late, the window starts after them and the prefix swallows the words it does
+  hear. After a decode whose first new word comes after more than ``SKIPPED_SPEECH_S`` of
+  voiced audio, the window is decoded again without the prefix, and that decode is kept when
+  it heard words before the first one (else the first decode is).
 - At the end of speech, on ``flush`` and on ``end``, the window is decoded once more and
   everything left is committed.
 """
@@ -71,6 +75,10 @@ MAX_DECODE_FAILURES = 3  # per utterance, before its remaining audio is given up
 FIRST_WORDS_WINDOW_S = 3.0  # an utterance without words after this decodes at the usual pace
 IDLE_KEEP_S = 1.0  # audio kept while nobody speaks, for the VAD's look-back padding
 TAIL_RETRY_S = 1.0  # speech left after a closing decode's last word that is decoded again
+# Voiced audio between the words a cut carried and the first word after them that means the
+# decoder skipped speech (2609-156975-0004: "picture which it", 1.3 s, never came out).
+SKIPPED_SPEECH_S = 0.8
+HEARD_MORE_WORDS = 10  # how far into the decode without it that word is looked for
 
 
 @dataclass(frozen=True)
@@ -167,6 +175,17 @@ class _Utterance:
     # the utterance (nothing else of the window is decoded meanwhile).
     speculation: tuple[DecodeJob, DecodeResult] | None = None
     speculated_to: int = 0  # end sample of the last speculative closing decode
+    # A decode that went on from the carried words past speech it did not transcribe, held
+    # while the window is decoded again without them (``_skipped_after_carried``).
+    unforced_retry: _UnforcedRetry | None = None
+
+
+@dataclass(frozen=True)
+class _UnforcedRetry:
+    job: DecodeJob
+    result: DecodeResult
+    tail: list[Word]  # its words after the carried ones
+    carried: list[Word]
 
 
 class Session:
@@ -431,6 +450,7 @@ class Session:
             if needed is not None:
                 keep_from = min(keep_from, needed)
         self._buffer.trim(keep_from)
+        self._vad.forget_before(keep_from)
 
     # -- speaker jobs ----------------------------------------------------------------------
     def next_speaker_job(self) -> EmbedJob | None:
@@ -486,7 +506,7 @@ class Session:
             return self.next_job(min_hop_s=min_hop_s, crowded=crowded)
         closing = utt.end is not None
         end = utt.end if utt.end is not None else self._buffer.end
-        speculative = self._speculative_end(utt, crowded, min_hop_s)
+        speculative = self._speculative_end(utt, crowded)
         if speculative is not None:
             job = self._job(
                 utt,
@@ -532,18 +552,18 @@ class Session:
         self._in_flight = job
         return job
 
-    def _speculative_end(self, utt: _Utterance, crowded: bool, min_hop_s: float) -> int | None:
+    def _speculative_end(self, utt: _Utterance, crowded: bool) -> int | None:
         """Where a speculative closing decode of ``utt`` would end, when one is due: the
         open utterance (the only one) heard silence covering its pad, and that end was not
-        decoded speculatively yet (nor past the window's cap, where a cut comes first). Not
-        while the scheduler stretches the cadence or streams outnumber lanes: speech often
-        goes on after such a pause, and a busy server has no decode to spare on a guess."""
+        decoded speculatively yet (nor past the window's cap, where a cut comes first). Under
+        load too: when the endpoint comes where it guessed, the guess is the closing decode
+        and costs nothing extra (bench-capacity at 4 and 6 streams, 2 cores: lanes as busy,
+        final p95 2.00 -> 1.67-1.76 s and 3.36 -> 2.67 s, end of speech to final p50
+        0.84-1.12 -> 0.60-0.67 s at 4)."""
         end = self._vad.tentative_end
         if (
             end is None
             or not self.streaming.speculative_closing
-            or crowded
-            or min_hop_s > self.streaming.min_new_audio_ms / 1000
             or utt.end is not None
             or len(self._utterances) > 1
             or utt.language is None
@@ -674,9 +694,23 @@ class Session:
         if utt.language is None and not self._settle_language(utt, job, result):
             self._maybe_done()
             return
+        tail = self._tail_words(job, result)
+        retry = utt.unforced_retry
+        if retry is not None:
+            utt.unforced_retry = None
+            if not _hears_more(tail, retry.tail):
+                # Whisper without the prefix can start a long window sentences in: the
+                # decode with the prefix was the better one after all.
+                self.log.info("the decode with the carried words kept: nothing more without")
+                self._carry_again(utt, retry.carried)
+                job, result, tail = retry.job, retry.result, retry.tail
+        elif self._skipped_after_carried(utt, job, tail):
+            utt.unforced_retry = _UnforcedRetry(job, result, tail, list(utt.committed))
+            self._drop_carried_prefix(utt)
+            self._maybe_done()
+            return
         self._prompt_ok = result.stop_reason not in (StopReason.REPETITION, StopReason.COMPRESSION)
         utt.draft = result.sequence
-        tail = self._tail_words(job, result)
         committed = utt.policy.update(
             tail,
             window_start_s=job.start_s,
@@ -792,10 +826,12 @@ class Session:
         ]
         if not job.request.prefix and self._utterances:
             tail = self._drop_repeat_of_cut(self._utterances[0], tail)
-        if self._utterances and self._utterances[0].committed:
-            # After a cut that carried words, the alignment can squeeze the new words onto the
-            # window's first frame, before the carried ones (seen on LJ long): they follow them.
-            floor = self._utterances[0].committed[-1].end_s
+        utt = self._utterances[0] if self._utterances else None
+        before = (utt.committed or utt.before_cut)[-1:] if utt is not None else []
+        if before:
+            # After a cut, the alignment can squeeze the new words onto the window's first
+            # frame, before the words final already (seen on LJ long): they follow them.
+            floor = before[0].end_s
             tail = [
                 w
                 if w.start_s >= floor
@@ -1006,6 +1042,32 @@ class Session:
         if at > utt.window_start:
             self._cut(utt, at, carry=carry)
 
+    def _skipped_after_carried(self, utt: _Utterance, job: DecodeJob, tail: list[Word]) -> bool:
+        """Whether a decode that continued the words a cut carried skipped the speech after
+        them. The carried words' times come from the window before the cut; when the new
+        window starts later than they were really spoken, the forced prefix takes up the first
+        words of its audio and the decoder goes on from the words after those."""
+        if not (job.request.prefix and tail and utt.committed):
+            return False
+        if len(utt.committed_tokens) != utt.prompted_tokens:
+            return False  # words of this window were committed after the carried ones
+        carried_end = round(utt.committed[-1].end_s * SAMPLE_RATE_HZ)
+        skipped_s = self._vad.voiced_s(carried_end, round(tail[0].start_s * SAMPLE_RATE_HZ))
+        if skipped_s < SKIPPED_SPEECH_S:
+            return False
+        self.log.info(
+            "%.1f s of speech before %r skipped after the carried words: decoded without them",
+            skipped_s,
+            tail[0].text,
+        )
+        return True
+
+    def _carry_again(self, utt: _Utterance, carried: list[Word]) -> None:
+        """Undo ``_drop_carried_prefix``: the window's words are the carried ones again."""
+        utt.committed = list(carried)
+        utt.committed_tokens = [t for w in carried for t in w.tokens]
+        utt.prompted_tokens = len(utt.committed_tokens)
+
     def _drop_carried_prefix(self, utt: _Utterance) -> None:
         """Decode the window from its start with no forced prefix: the carried words are final
         and in the prompt already (``_cut``), so nothing is sent again."""
@@ -1016,6 +1078,9 @@ class Session:
         utt.tentative = []
         utt.draft = ()
         utt.decoded_to = utt.window_start
+        # Nothing of the window was heard by a decode that counts: a cut at the window's cap
+        # before the next decode would skip it (LJ long at pace 0: 15 s lost).
+        utt.heard_to = utt.window_start
 
     def _finish_utterance_if_closed(self, utt: _Utterance, *, decoded: bool) -> None:
         """Retire a closed utterance. ``decoded``: its last window was decoded to the end (else
@@ -1116,3 +1181,14 @@ def nearest_end_of_speech_ms(ms: int) -> int:
 
 def _or(chosen: int | None, default: int) -> int:
     return default if chosen is None else chosen
+
+
+def _hears_more(unforced: list[Word], forced: list[Word]) -> bool:
+    """Whether a decode without the carried prefix heard words before the first one the
+    decode with it went on with: that word comes in its opening words, after others.
+    (Timing alone cannot tell: the carried words' end is an estimate from the window before
+    the cut, and on LJ long it was 1.3 s early with nothing skipped.)"""
+    if not forced:
+        return bool(unforced)
+    first = normalize_word(forced[0].text)
+    return first in [normalize_word(w.text) for w in unforced[1:HEARD_MORE_WORDS]]

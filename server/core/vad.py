@@ -84,6 +84,9 @@ class VadSegmenter:
         self._last_voiced_end = 0
         self._last_end = 0  # end_sample of the previous utterance; the next one may not overlap
         self._onset = 0  # first voiced sample of the open utterance
+        # [start, end) sample runs of voiced frames (after warm-up), oldest first, kept from
+        # ``forget_before``'s sample on: how much speech lies between two points of the stream.
+        self._voiced: collections.deque[list[int]] = collections.deque()
 
     @property
     def in_speech(self) -> bool:
@@ -105,6 +108,18 @@ class VadSegmenter:
     def samples_processed(self) -> int:
         """Samples that have been through the VAD; buffered partial frames do not count."""
         return self._processed
+
+    def voiced_s(self, start_sample: int, end_sample: int) -> float:
+        """Seconds of voiced frames between two samples of the stream (those still kept)."""
+        total = 0
+        for run_start, run_end in self._voiced:
+            total += max(0, min(run_end, end_sample) - max(run_start, start_sample))
+        return total / SAMPLE_RATE_HZ
+
+    def forget_before(self, sample: int) -> None:
+        """Drop the record of voiced frames that end before ``sample``."""
+        while self._voiced and self._voiced[0][1] <= sample:
+            self._voiced.popleft()
 
     def receive(self, samples: npt.NDArray[np.float32]) -> list[VadEvent]:
         """Add 16 kHz mono samples and return the events that complete frames produced."""
@@ -160,6 +175,11 @@ class VadSegmenter:
                 if frame.count(0) != len(frame):
                     self._warmup_frames -= 1
                 voiced = False
+            if voiced:
+                if self._voiced and self._voiced[-1][1] == start:
+                    self._voiced[-1][1] = self._processed
+                else:
+                    self._voiced.append([start, self._processed])
             event = self._step(start, voiced)
             if event is not None:
                 events.append(event)
