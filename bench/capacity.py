@@ -377,6 +377,8 @@ class Contender:
             "whisperwire_decode_batch_size_sum",
             "whisperwire_decode_batch_size_count",
             "whisperwire_capacity_streams",
+            "whisperwire_capacity_measured_streams",
+            "whisperwire_capacity_window_seconds",
             "whisperwire_decode_lanes",
         )
         return {name: metric_value(page, name) for name in names} | {"refused": refused}
@@ -457,6 +459,9 @@ async def run_count(
             "refused": int(delta["refused"]),
             "capacity_estimate_before": int(before["whisperwire_capacity_streams"]),
             "capacity_estimate_after": int(after["whisperwire_capacity_streams"]),
+            # What the clients' calls alone said at the end, and the window it assumed.
+            "capacity_measured_after": int(after["whisperwire_capacity_measured_streams"]),
+            "capacity_window_s_after": round(after["whisperwire_capacity_window_seconds"], 2),
         }
     else:
         # WhisperLive has no metrics: a refused client is one it answered with WAIT or ERROR.

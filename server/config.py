@@ -138,14 +138,15 @@ class StreamingConfig:
 
 
 MAX_DECODE_LANES = 64  # each lane holds a copy of the model
-# The default share of the hop a lane's round of the admitted streams may fill
+# The default share of the hop the admitted streams' round may fill on each lane
 # (``PipelineConfig.admission_utilization``), chosen so that the estimate lands on what
-# ``make bench-capacity`` sustains at final p95 <= 2 s (4 streams with tiny.en on a 2-core
-# CPU, where the decode lanes were only ~0.7 busy at 4-6 streams: the latency limit comes
-# before the cores are full). Three quiet startups there (bench-decoder 2 s window 114 ms)
-# timed a 4 s window of the calibration speech at 0.25-0.30 s; their seeds give 2/4/4 streams
-# at 0.6, 4/4/4 at 0.65-0.7, 4/4/6 at 0.75-0.8.
-ADMISSION_UTILIZATION = 0.7
+# ``make bench-capacity`` sustains at final p95 <= 2 s, or one more (tiny.en on a 2-core CPU,
+# bench-decoder 2 s window 91 ms: 4 streams in one sweep, 5 in the next; the decode lanes were
+# only ~0.7 busy at 4-6 streams: the latency limit comes before the cores are full). Eight
+# quiet startups there timed a 4 s window of the calibration speech at 0.21-0.25 s; with the
+# round shared by the lanes (server.decode.capacity) their seeds give 3-4 streams at 0.55-0.65,
+# 4-5 at 0.7, 5 (one startup 4) at 0.75, 4-6 at 0.8.
+ADMISSION_UTILIZATION = 0.75
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class PipelineConfig:
     max_queued_windows: int = 256  # windows waiting for a decode lane; more wait upstream
     capacity_hop_s: float = 1.0  # the longest a stream may wait between two of its decodes
     capacity_utilization: float = 0.8  # share of that hop the decode lanes may plan to be busy
-    # The share of that hop one lane's round of its part of the admitted streams may fill:
+    # The share of that hop the admitted streams' round may fill on each lane:
     # the capacity estimate, and nothing else. The scheduler's cadence (how long a stream
     # gathers audio between decodes under load) keeps ``capacity_utilization``: lowering
     # that to admit fewer streams would also slow every admitted stream's decodes.

@@ -24,14 +24,17 @@ by thousands of single-window calls when the load is gone, or the model would fo
 batching buys.
 
 **Capacity.** A stream that keeps up is decoded once per round: its next window is queued as
-soon as its last result is back. With ``N`` streams on ``lanes`` lanes, each lane's round is
-``ceil(N / lanes)`` windows of the typical length (the median of the recent windows), decoded
-in engine calls of at most ``max_batch_size``; the lanes run their rounds side by side (each
-is a core of its own, and its calls are timed as they ran, next to the others). The capacity
-is the largest ``N`` whose lane round fits in ``hop_s * admission_utilization``: ``hop_s`` is
-the longest a stream may wait between two decodes, ``admission_utilization`` the share of it
-the admitted streams' round may fill. It is ``per_lane * lanes``, so on two lanes it moves in
-steps of two.
+soon as its last result is back. With ``N`` streams, a round is ``N`` windows of the typical
+length (the median of the recent windows), in engine calls of the batch the scheduler takes
+for ``N`` streams (``batch_size``: on a CPU one window a call, on a GPU all of them). The
+lanes take those calls from one queue, side by side (each is a core of its own, and its calls
+are timed as they ran, next to the others), so the round is shared among them. The capacity
+is the largest ``N`` whose round fits in ``lanes * hop_s * admission_utilization``:
+``hop_s`` is the longest a stream may wait between two decodes, ``admission_utilization`` the
+share of it the admitted streams' round may fill. Counted lane by lane instead (each lane
+``ceil(N / lanes)`` windows), the estimate moved in steps of the lane count: on two lanes,
+calls a few percent dearer took it from 4 to 2, and refused the third stream of a machine
+that carries four.
 
 **Two budgets.** ``utilization`` is the share of the hop a lane may plan to be busy at the
 load it has (the rest absorbs bursts, loop-guard retries and other work on the same cores):
@@ -71,7 +74,7 @@ import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -168,17 +171,29 @@ def fit_cost(observations: Sequence[BatchCost]) -> CostFit | None:
 
 
 def streams_within(
-    fit: CostFit, budget_s: float, window_s: float, max_batch_size: int, limit: int
+    fit: CostFit,
+    budget_s: float,
+    window_s: float,
+    batch_size: Callable[[int], int],
+    limit: int,
+    lanes: int = 1,
 ) -> int:
-    """The largest ``N`` in ``[0, limit]`` whose round (``CostFit.round_s``) fits in
-    ``budget_s``. The round's cost only grows with ``N`` (non-negative terms), so this is a
-    bisection."""
-    if fit.round_s(limit, window_s, max_batch_size) <= budget_s:
+    """The largest ``N`` in ``[0, limit]`` whose round fits: one window of ``window_s`` for
+    each of ``N`` streams, in engine calls of ``batch_size(N)`` windows (``CostFit.round_s``),
+    shared by ``lanes`` lanes that take their calls from one queue, within ``budget_s`` of
+    each lane's time: ``round_s <= lanes * budget_s``. The round's cost grows with ``N`` at
+    any one batch size (non-negative terms), so this is a bisection."""
+
+    def fits(streams: int) -> bool:
+        cost = fit.round_s(streams, window_s, max(1, batch_size(streams)))
+        return cost <= lanes * budget_s
+
+    if fits(limit):
         return limit
-    low, high = 0, limit  # round_s(low) fits (0 streams cost nothing), round_s(high) does not
+    low, high = 0, limit  # fits(low) (0 streams cost nothing), not fits(high)
     while high - low > 1:
         middle = (low + high) // 2
-        if fit.round_s(middle, window_s, max_batch_size) <= budget_s:
+        if fits(middle):
             low = middle
         else:
             high = middle
@@ -374,10 +389,14 @@ class CapacityModel:
         return max(1, self._streams_of(fit, self.typical_window_s, limit))
 
     def _streams_of(self, fit: CostFit, window_s: float, limit: int) -> int:
-        per_lane = streams_within(
-            fit, self.admission_budget_s, window_s, self.max_batch_size, limit
+        return streams_within(
+            fit,
+            self.admission_budget_s,
+            window_s,
+            lambda streams: self._batch_for(fit, streams, window_s),
+            limit,
+            self.lanes,
         )
-        return min(limit, per_lane * self.lanes)
 
     def _bounded(self, streams: int) -> int:
         if self.ceiling is not None:
@@ -418,8 +437,10 @@ class CapacityModel:
         fit = self.fit
         if fit is None or streams < 1:
             return self.max_batch_size
+        return self._batch_for(fit, streams, self.typical_window_s)
+
+    def _batch_for(self, fit: CostFit, streams: int, window_s: float) -> int:
         share = -(-streams // self.lanes)
-        window_s = self.typical_window_s
 
         def final_s(size: int) -> float:
             together = min(size, share)
