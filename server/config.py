@@ -141,12 +141,14 @@ MAX_DECODE_LANES = 64  # each lane holds a copy of the model
 # The default share of the hop the admitted streams' round may fill on each lane
 # (``PipelineConfig.admission_utilization``), chosen so that the estimate lands on what
 # ``make bench-capacity`` sustains at final p95 <= 2 s, or one more (tiny.en on a 2-core CPU,
-# bench-decoder 2 s window 91 ms: 4 streams in one sweep, 5 in the next; the decode lanes were
-# only ~0.7 busy at 4-6 streams: the latency limit comes before the cores are full). Eight
+# bench-decoder 2 s window 91 ms: 4 streams in one sweep, 5 in another; the decode lanes were
+# only ~0.7 busy at 4-6 streams: the latency limit comes before the cores are full). Thirteen
 # quiet startups there timed a 4 s window of the calibration speech at 0.21-0.25 s; with the
-# round shared by the lanes (server.decode.capacity) their seeds give 3-4 streams at 0.55-0.65,
-# 4-5 at 0.7, 5 (one startup 4) at 0.75, 4-6 at 0.8.
-ADMISSION_UTILIZATION = 0.75
+# round shared by the lanes (server.decode.capacity) their seeds give 4-5 streams at
+# 0.66-0.68, 4-6 at 0.69-0.7 (two 4, ten 5, one 6). 0.7 also keeps two instances with one
+# lane each, started at once on those two cores (their calibrations time each other: a 4 s
+# window 0.37-0.40 s), at two streams each, what half the machine carries (at 0.6, one each).
+ADMISSION_UTILIZATION = 0.7
 
 
 @dataclass(frozen=True)

@@ -985,11 +985,11 @@ async def test_many_clients_that_never_read_are_dropped_and_others_are_served(
 # --------------------------------------------------------------------------- capacity
 #
 # The scripted engine with a modelled cost: 0.1 s a call and 0.2 s a window. A round of every
-# admitted stream may take 0.7 s, one window a call (the batch that brings finals soonest at
-# that cost): two streams take 0.6 s, three 0.9 s, so the capacity estimate is two streams.
+# admitted stream may take 0.6 s, in batches of two: two streams take 0.5 s, three 0.8 s (a
+# batch of two, then one), so the capacity estimate is two streams.
 
 CAPACITY_PIPELINE = PipelineConfig(
-    max_batch_size=2, capacity_hop_s=0.7, capacity_utilization=1.0, admission_utilization=1.0
+    max_batch_size=2, capacity_hop_s=0.6, capacity_utilization=1.0, admission_utilization=1.0
 )
 REFUSED = "whisperwire_sessions_refused_total"
 
@@ -1025,9 +1025,7 @@ async def test_a_stream_beyond_the_capacity_estimate_is_refused_at_once(speech_d
         url = stream_url(srv.url)
         page = srv.metrics.render()
         assert metric_value(page, "whisperwire_capacity_streams") == 2  # from the seeds
-        assert metric_value(page, "whisperwire_capacity_admission_budget_seconds") == pytest.approx(
-            0.7
-        )
+        assert metric_value(page, "whisperwire_capacity_admission_budget_seconds") == 0.6
         assert metric_value(page, "whisperwire_capacity_headroom_streams") == 2
         async with connect(url) as first, connect(url) as second:
             for ws in (first, second):
@@ -1130,8 +1128,8 @@ async def test_a_burst_of_newcomers_is_refused_and_the_admitted_streams_keep_up(
         assert done["failed_s"] == 0 and done["transcribed_s"] == done["speech_s"] > 3
         assert outcome.text.startswith("w0 w1 w2"), outcome.text
         lags = [m["lag_s"] for m in outcome.of_type("partial") + outcome.of_type("final")]
-        # A round of the two takes 0.6 s (lags of 0.6 s here); room for a loaded machine.
-        # Admitting the 22 would make a round over 5 s (eleven batches of two: 5.5 s).
+        # A round of the two takes 0.5 s (lags of 0.5 s here); room for a loaded machine.
+        # Admitting the 22 would make a round 5.5 s (eleven batches of two).
         assert max(lags) <= 1.5, lags
 
 

@@ -105,8 +105,7 @@ def test_a_round_is_full_batches_then_the_rest() -> None:
 )
 def test_streams_within_the_budget(budget_s: float, max_batch_size: int, expected: int) -> None:
     fit = CostFit(fixed_s=0.1, per_window_s=0.2, per_audio_s=0.0)
-    batch = lambda streams: max_batch_size  # noqa: E731
-    assert streams_within(fit, budget_s, 4.0, batch, limit=32) == expected
+    assert streams_within(fit, budget_s, 4.0, max_batch_size, limit=32) == expected
 
 
 def test_lanes_share_the_round_so_the_estimate_moves_one_stream_at_a_time() -> None:
@@ -114,29 +113,19 @@ def test_lanes_share_the_round_so_the_estimate_moves_one_stream_at_a_time() -> N
     # windows from one queue, three streams. Counted lane by lane (a lane's share rounded
     # up), one window a lane fits and two do not: two streams, then four, never three.
     fit = CostFit(fixed_s=0.1, per_window_s=0.2, per_audio_s=0.0)
-    one = lambda streams: 1  # noqa: E731
-    assert streams_within(fit, 0.46, 4.0, one, limit=32, lanes=2) == 3
-    assert streams_within(fit, 0.61, 4.0, one, limit=32, lanes=2) == 4
-    assert streams_within(fit, 0.76, 4.0, one, limit=32, lanes=2) == 5
-
-
-def test_the_round_takes_the_batches_it_is_given_for_its_stream_count() -> None:
-    # Alone a window costs 0.3 s; from three streams on, they go four to a call (0.9 s).
-    fit = CostFit(fixed_s=0.1, per_window_s=0.2, per_audio_s=0.0)
-    batch = lambda streams: 1 if streams < 3 else 4  # noqa: E731
-    assert streams_within(fit, 0.95, 4.0, batch, limit=32) == 4
-    assert streams_within(fit, 0.95, 4.0, lambda streams: 1, limit=32) == 3
+    assert streams_within(fit, 0.46, 4.0, 1, limit=32, lanes=2) == 3
+    assert streams_within(fit, 0.61, 4.0, 1, limit=32, lanes=2) == 4
+    assert streams_within(fit, 0.76, 4.0, 1, limit=32, lanes=2) == 5
 
 
 def test_the_window_length_counts() -> None:
     fit = CostFit(fixed_s=0.0, per_window_s=0.0, per_audio_s=0.05)  # 50 ms per audio second
-    eight = lambda streams: 8  # noqa: E731
-    assert streams_within(fit, 0.8, 4.0, eight, limit=32) == 4
-    assert streams_within(fit, 0.8, 8.0, eight, limit=32) == 2
+    assert streams_within(fit, 0.8, 4.0, 8, limit=32) == 4
+    assert streams_within(fit, 0.8, 8.0, 8, limit=32) == 2
 
 
 def test_a_free_engine_carries_the_limit() -> None:
-    assert streams_within(CostFit(0.0, 0.0, 0.0), 0.8, 4.0, lambda n: 8, limit=5) == 5
+    assert streams_within(CostFit(0.0, 0.0, 0.0), 0.8, 4.0, 8, limit=5) == 5
 
 
 # --------------------------------------------------------------------------- the model
@@ -172,10 +161,8 @@ def test_measured_calls_give_the_stream_count() -> None:
     for _ in range(3):
         m.observe([4.0], 0.3)  # 0.1 s + 0.2 s per window
         m.observe([4.0, 4.0], 0.5)
-    # Decoded one at a time, the batch that brings their finals soonest (batch_size), two
-    # streams' windows take 0.6 s and three 0.9 s.
-    assert m.measured_streams(limit=32) == 2
-    assert m.measured_streams(limit=1) == 1
+    assert m.measured_streams(limit=32) == 3  # 0.7 s; four would take 0.9 s
+    assert m.measured_streams(limit=2) == 2
 
 
 def test_lanes_side_by_side_multiply_the_streams_and_share_the_hop() -> None:
@@ -185,9 +172,10 @@ def test_lanes_side_by_side_multiply_the_streams_and_share_the_hop() -> None:
         m.observe([4.0, 4.0], 0.5)
     one_lane_hop_s = [m.stream_hop_s(n) for n in (1, 2, 3)]
     m.lanes = 2
-    # The lanes take windows from one queue: 1.6 s of lane time a round, five windows of 0.3 s.
-    assert m.measured_streams(limit=32) == 5
-    assert m.measured_streams(limit=4) == 4
+    # The lanes take calls from one queue: 1.6 s of lane time a round, seven windows in one
+    # call (1.5 s). Counted lane by lane, six (three a lane), and never an odd number.
+    assert m.measured_streams(limit=32) == 7
+    assert m.measured_streams(limit=5) == 5
     # Four streams on two lanes: each lane's round is two windows, as two streams on one.
     assert m.stream_hop_s(4) == pytest.approx(one_lane_hop_s[1])
     assert m.stream_hop_s(3) == pytest.approx(one_lane_hop_s[1])  # the fuller lane counts
@@ -244,10 +232,9 @@ def test_seeds_give_an_estimate_before_the_first_client() -> None:
     m.seed([4.0], 0.3)
     m.seed([8.0], 0.3)
     m.seed([4.0] * 4, 0.9)
-    # 0.1 s + 0.2 s per window, nothing per audio second: one at a time (the batch that
-    # brings finals soonest), two take 0.6 s, three 0.9 s.
+    # 0.1 s + 0.2 s per window, nothing per audio second: three take 0.7 s, four 0.9 s.
     assert m.fit == CostFit(pytest.approx(0.1), pytest.approx(0.2), pytest.approx(0.0))
-    assert m.streams(limit=32) == 2
+    assert m.streams(limit=32) == 3
 
 
 def test_seeds_take_the_level_of_the_clients_calls() -> None:
@@ -270,7 +257,7 @@ def test_seeds_take_the_level_of_the_clients_calls() -> None:
 
 
 def test_seeds_keep_the_fit_determined_while_the_clients_calls_cannot() -> None:
-    m = model(hop_s=0.65, utilization=1.0, admission_utilization=1.0)
+    m = model(hop_s=0.6, utilization=1.0, admission_utilization=1.0)
     for shape, cost_s in (([4.0], 0.3), ([8.0], 0.3), ([4.0, 4.0], 0.5)):
         m.seed(shape, cost_s)  # 0.1 s + 0.2 s per window
     # One client call: alone it could as well mean 60 ms per window and 48 ms per second.
@@ -308,8 +295,8 @@ def test_admission_has_its_own_budget_and_the_cadence_keeps_the_utilization() ->
         for _ in range(3):
             m.observe([4.0], 0.3)  # 0.1 s + 0.2 s per window
             m.observe([4.0, 4.0], 0.5)
-    assert cadence.measured_streams() == 2  # 0.6 s; three would take 0.9 s
-    assert strict.measured_streams() == 1  # 0.3 s; two would take 0.6 s
+    assert cadence.measured_streams() == 3  # 0.7 s; four would take 0.9 s
+    assert strict.measured_streams() == 1  # 0.3 s; two would take 0.5 s
     assert strict.admission_budget_s == pytest.approx(0.4)
     # What each admitted stream is asked to gather between decodes, and in what batches,
     # does not change: it plans the lanes 80% busy either way.
@@ -327,7 +314,8 @@ def test_the_floor_and_the_ceiling_come_from_the_admission_budget() -> None:
     m.lanes = 2
     for shape, cost_s in (([4.0], 0.3), ([8.0], 0.3), ([4.0, 4.0], 0.5)):
         m.seed(shape, cost_s)  # 0.1 s + 0.2 s per window: one stream a lane in 0.4 s
-    assert m.calibrated_bounds() == (1, 2)  # (2, 5) at 0.8
+    # 0.8 s of the two lanes' time: three windows in one call (0.7 s); (3, 7) at 0.8.
+    assert m.calibrated_bounds() == (1, 3)
 
 
 @pytest.mark.parametrize(
@@ -405,12 +393,11 @@ def test_at_an_idle_start_the_estimate_is_the_calibrations_and_bounded_by_it() -
     m = recorded_model()
     start = m.streams(limit=32)
     assert (m.floor, m.ceiling) == (start // 2, start)
-    # 60 ms + 61 ms per audio second, one 4 s window a call (the batch that brings finals
-    # soonest): four windows (1.21 s) fit the two lanes' admission budget (2 x 0.75 s), five
-    # (1.51 s) do not.
-    assert start == m.measured_streams() == SUSTAINED
+    # 60 ms + 61 ms per audio second: five 4 s windows in one call (1.27 s) fit the two
+    # lanes' admission budget (2 x 0.7 s), six (1.52 s) do not. The machine carries four.
+    assert start == m.measured_streams() == SUSTAINED + 1
     explained = m.explain(limit=32)
-    assert "held within 2-4 (startup calibration)" in explained
+    assert "held within 2-5 (startup calibration)" in explained
     budget = (
         f"admission round budget {ADMISSION_UTILIZATION * 1000:.0f} ms "
         f"({ADMISSION_UTILIZATION:g} of the 1 s hop; the cadence plans 0.8)"
@@ -449,8 +436,8 @@ def test_without_telling_catch_up_apart_or_holding_the_burst_halves_the_estimate
 
 
 def test_hysteresis_takes_agreeing_calls_to_move_one_stream() -> None:
-    m = model(settle_calls=4, admission_utilization=0.95)
-    m.seed([4.0], 0.3)  # 0.1 s + 0.2 s per window: three streams' windows in 0.9 s
+    m = model(settle_calls=4)
+    m.seed([4.0], 0.3)  # 0.1 s + 0.2 s per window: 2 streams a lane
     m.seed([8.0], 0.3)
     m.seed([4.0] * 4, 0.9)
     assert m.streams(limit=32) == 3

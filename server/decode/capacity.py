@@ -25,16 +25,15 @@ batching buys.
 
 **Capacity.** A stream that keeps up is decoded once per round: its next window is queued as
 soon as its last result is back. With ``N`` streams, a round is ``N`` windows of the typical
-length (the median of the recent windows), in engine calls of the batch the scheduler takes
-for ``N`` streams (``batch_size``: on a CPU one window a call, on a GPU all of them). The
-lanes take those calls from one queue, side by side (each is a core of its own, and its calls
-are timed as they ran, next to the others), so the round is shared among them. The capacity
-is the largest ``N`` whose round fits in ``lanes * hop_s * admission_utilization``:
-``hop_s`` is the longest a stream may wait between two decodes, ``admission_utilization`` the
-share of it the admitted streams' round may fill. Counted lane by lane instead (each lane
-``ceil(N / lanes)`` windows), the estimate moved in steps of the lane count: on two lanes,
-calls a few percent dearer took it from 4 to 2, and refused the third stream of a machine
-that carries four.
+length (the median of the recent windows), in engine calls of at most ``max_batch_size``
+(the scheduler batches more as the round fills the lanes, ``batch_size``). The lanes take
+those calls from one queue, side by side (each is a core of its own, and its calls are timed
+as they ran, next to the others), so the round is shared among them. The capacity is the
+largest ``N`` whose round fits in ``lanes * hop_s * admission_utilization``: ``hop_s`` is the
+longest a stream may wait between two decodes, ``admission_utilization`` the share of it the
+admitted streams' round may fill. Counted lane by lane instead (each lane ``ceil(N / lanes)``
+windows), the estimate moved in steps of the lane count: on two lanes, calls a few percent
+dearer took it from 4 to 2, and refused the third stream of a machine that carries four.
 
 **Two budgets.** ``utilization`` is the share of the hop a lane may plan to be busy at the
 load it has (the rest absorbs bursts, loop-guard retries and other work on the same cores):
@@ -74,7 +73,7 @@ import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,19 +173,18 @@ def streams_within(
     fit: CostFit,
     budget_s: float,
     window_s: float,
-    batch_size: Callable[[int], int],
+    max_batch_size: int,
     limit: int,
     lanes: int = 1,
 ) -> int:
     """The largest ``N`` in ``[0, limit]`` whose round fits: one window of ``window_s`` for
-    each of ``N`` streams, in engine calls of ``batch_size(N)`` windows (``CostFit.round_s``),
+    each of ``N`` streams, in engine calls of at most ``max_batch_size`` (``CostFit.round_s``),
     shared by ``lanes`` lanes that take their calls from one queue, within ``budget_s`` of
-    each lane's time: ``round_s <= lanes * budget_s``. The round's cost grows with ``N`` at
-    any one batch size (non-negative terms), so this is a bisection."""
+    each lane's time: ``round_s <= lanes * budget_s``. The round's cost only grows with
+    ``N`` (non-negative terms), so this is a bisection."""
 
     def fits(streams: int) -> bool:
-        cost = fit.round_s(streams, window_s, max(1, batch_size(streams)))
-        return cost <= lanes * budget_s
+        return fit.round_s(streams, window_s, max_batch_size) <= lanes * budget_s
 
     if fits(limit):
         return limit
@@ -390,12 +388,7 @@ class CapacityModel:
 
     def _streams_of(self, fit: CostFit, window_s: float, limit: int) -> int:
         return streams_within(
-            fit,
-            self.admission_budget_s,
-            window_s,
-            lambda streams: self._batch_for(fit, streams, window_s),
-            limit,
-            self.lanes,
+            fit, self.admission_budget_s, window_s, self.max_batch_size, limit, self.lanes
         )
 
     def _bounded(self, streams: int) -> int:
@@ -437,10 +430,8 @@ class CapacityModel:
         fit = self.fit
         if fit is None or streams < 1:
             return self.max_batch_size
-        return self._batch_for(fit, streams, self.typical_window_s)
-
-    def _batch_for(self, fit: CostFit, streams: int, window_s: float) -> int:
         share = -(-streams // self.lanes)
+        window_s = self.typical_window_s
 
         def final_s(size: int) -> float:
             together = min(size, share)
