@@ -46,6 +46,7 @@ from bench.latency_audio import (
     align_recording,
     clip_rows,
     long_recordings,
+    speech_ends_s,
 )
 from bench.latency_metrics import SendLog, normalize_word, p50_p95_ms, stream_metrics
 from bench.peer_whisperlive import PEER_VENV, PeerConfig, WhisperLiveAdapter, default_model_path
@@ -355,7 +356,12 @@ class Contender:
     def figures(self, adapter: TimedAdapter, record: Replay, stream: Stream) -> StreamFigures:
         # Time to first token and end of speech to final as bench-latency measures them: from
         # the reference's first word, and from each utterance's last.
-        timeline = stream_metrics(stream.words, record.observations, record.sends)
+        timeline = stream_metrics(
+            stream.words,
+            record.observations,
+            record.sends,
+            speech_ends_s=speech_ends_s(stream.audio),
+        )
         reduce = our_figures if self.peer is None else peer_figures
         return reduce(
             adapter.messages, record.sends, timeline.ttft_s, timeline.end_of_speech_to_final_s
@@ -427,6 +433,12 @@ async def run_count(
         "end_of_speech_to_final": p50_p95_ms(
             [x for f in figures for x in f.end_of_speech_to_final_s]
         ),
+        # Each utterance end, per stream in order: with a few per stream, the p95 is their
+        # largest, and which utterance it was tells why.
+        "end_of_speech_to_final_s_each": {
+            s.name: [round(x, 3) for x in f.end_of_speech_to_final_s]
+            for (s, _, _), f in zip(kept, figures, strict=True)
+        },
         "wer": round(wer([s.transcript for s, _, _ in kept], [r.text for _, _, r in kept]), 4)
         if kept
         else None,

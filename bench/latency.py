@@ -37,6 +37,7 @@ from bench.latency_audio import (
     english_clips,
     long_recordings,
     plain_stream,
+    speech_ends_s,
 )
 from bench.latency_metrics import StreamMetrics, p50_p95_ms, stream_metrics
 from bench.latency_plots import write_plots
@@ -61,7 +62,6 @@ class LatencyConfig:
     long_recordings: bool = True  # also the English recordings of manifest_long.tsv
     pause_s: float = 1.5  # silence between joined clips, so that speech ends mid-stream
     tail_s: float = 3.0  # silence after every stream, so the last utterance ends in-stream
-    utterance_gap_s: float = 0.8  # reference words this far apart end an utterance
     capacity_counts: tuple[int, ...] = (1, 2, 4, 6, 8)  # tried in order until not sustained
     capacity_min_runs: int = 2  # counts run even when unsustained: a curve needs two points
     capacity_audio_s: float = 30.0  # per stream in the capacity runs
@@ -208,8 +208,11 @@ async def run_stream(
 
 
 def outcome(stream: Stream, record: Replay, config: LatencyConfig) -> StreamOutcome:
+    # Turns end where the server's voice activity detector ends them, not at gaps between
+    # aligned word times: the alignment of a long recording leaves gaps of seconds where
+    # speech goes on (LJ long: none at 23.5-30 s), and stretches words over real pauses.
     metrics = stream_metrics(
-        stream.words, record.observations, record.sends, utterance_gap_s=config.utterance_gap_s
+        stream.words, record.observations, record.sends, speech_ends_s=speech_ends_s(stream.audio)
     )
     return StreamOutcome(stream, record, metrics)
 

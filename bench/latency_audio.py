@@ -19,8 +19,10 @@ import numpy.typing as npt
 from bench.corpus import ManifestRow, read_manifest
 from bench.engine import speech_dir
 from bench.latency_metrics import RefWord, join_word_pieces
+from server.config import VadConfig
 from server.core.engine_api import DecodeOptions
 from server.core.long_form import LongForm
+from server.core.vad import SpeechEnded, VadSegmenter
 from server.engine.engine import Engine
 from server.engine.offline import transcribe_audio
 from server.protocol.audio import read_audio_file
@@ -65,6 +67,19 @@ def align_recording(engine: Engine, audio: Float32Array) -> Aligned:
     transcript = recording.transcript()
     words = [RefWord(w.word, w.start_s, w.end_s) for w in transcript.words]
     return Aligned(transcript.text, tuple(join_word_pieces(words)))
+
+
+def speech_ends_s(audio: Float32Array, config: VadConfig | None = None) -> list[float]:
+    """Where the server's voice activity detector (its default ``VadConfig`` unless given)
+    ends speech in ``audio``, in stream seconds, trailing pad included: the turn ends that
+    end of speech to final is measured from (``stream_metrics``)."""
+    segmenter = VadSegmenter(config or VadConfig())
+    step = SAMPLE_RATE_HZ // 10  # the 100 ms frames the benchmarks send
+    events = []
+    for start in range(0, audio.shape[0], step):
+        events += segmenter.receive(audio[start : start + step])
+    events += segmenter.flush()
+    return [e.end_sample / SAMPLE_RATE_HZ for e in events if isinstance(e, SpeechEnded)]
 
 
 def check_offline_text(engine: Engine, audio: Float32Array, aligned: Aligned) -> None:

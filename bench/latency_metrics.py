@@ -135,6 +135,26 @@ def split_utterances(words: Sequence[RefWord], gap_s: float) -> list[int]:
     return ends
 
 
+def utterance_ends_at(
+    words: Sequence[RefWord], speech_ends_s: Sequence[float], within_s: float = 0.8
+) -> list[int]:
+    """Indices of the last word of each utterance as a voice activity detector ended them:
+    for each speech end (``speech_ends_s``, in order), the last word that ended before it,
+    if it ended at most ``within_s`` before (a speech end includes the detector's trailing
+    pad, 0.2 s on the server's default). A speech end with no word that close is left out:
+    the reference has no word timed there (an alignment that skipped or misplaced it), and
+    the word before would measure the missing ones' latency, not the turn's end."""
+    ends: list[int] = []
+    k = 0
+    for end_s in speech_ends_s:
+        while k < len(words) and words[k].end_s <= end_s:
+            k += 1
+        last = k - 1
+        if last >= 0 and end_s - words[last].end_s <= within_s and (not ends or ends[-1] < last):
+            ends.append(last)
+    return ends
+
+
 @dataclass(frozen=True)
 class StreamMetrics:
     """The latency metrics of one stream; latencies in seconds."""
@@ -221,8 +241,11 @@ def stream_metrics(
     sends: SendLog,
     *,
     utterance_gap_s: float = 0.8,
+    speech_ends_s: Sequence[float] | None = None,
 ) -> StreamMetrics:
-    """All metrics of one stream. ``observations`` in arrival order."""
+    """All metrics of one stream. ``observations`` in arrival order. Utterances end where
+    the server's voice activity detector ended speech (``speech_ends_s``, stream seconds:
+    ``utterance_ends_at``) when given, else at reference words ``utterance_gap_s`` apart."""
     ttft: float | None = None
     first = next((o.wall_s for o in observations if o.shown), None)
     if first is not None and reference:
@@ -234,7 +257,12 @@ def stream_metrics(
     finalised = tuple(f - e for f, e in zip(final, sent_end, strict=True) if f is not None)
     eos: list[float] = []
     begin = 0
-    for end in split_utterances(reference, utterance_gap_s):
+    ends = (
+        split_utterances(reference, utterance_gap_s)
+        if speech_ends_s is None
+        else utterance_ends_at(reference, speech_ends_s)
+    )
+    for end in ends:
         # The final that holds the end of the utterance: its last word, or when the
         # recogniser dropped that word, the last word of the utterance it did finalise.
         done = [final[k] for k in range(begin, end + 1) if final[k] is not None]

@@ -17,6 +17,7 @@ from bench.latency_metrics import (
     percentile,
     split_utterances,
     stream_metrics,
+    utterance_ends_at,
 )
 
 
@@ -81,6 +82,22 @@ def test_split_utterances_at_pauses() -> None:
     assert split_utterances([], gap_s=0.8) == []
 
 
+def test_utterances_end_where_the_voice_activity_detector_ended_speech() -> None:
+    words = ref(
+        ("a", 0.0, 0.3), ("b", 0.4, 0.7), ("c", 2.0, 2.2), ("d", 2.3, 2.5), ("e", 8.0, 8.3)
+    )  # fmt: skip
+    # Speech ended 0.2 s after "b" and "d" (the trailing pad) and after "e"; at 5.0 s no word
+    # was timed within 0.8 s before: the alignment has none there, so no utterance ends.
+    assert utterance_ends_at(words, [0.9, 2.7, 5.0, 8.5]) == [1, 3, 4]
+    # The gap between "b" and "c" is no end when the detector heard speech go on through it
+    # (an alignment that left a hole in the words).
+    assert utterance_ends_at(words, [2.7, 8.5]) == [3, 4]
+    assert utterance_ends_at(words, []) == []
+    assert utterance_ends_at([], [1.0]) == []
+    # Two speech ends after the same word: it ends one utterance.
+    assert utterance_ends_at(words, [2.6, 2.9]) == [3]
+
+
 def test_stream_metrics_on_a_scripted_timeline() -> None:
     # Speech "hello world" 0.5-1.4 s, pause, "good bye" 3.0-3.8 s; frames of 0.1 s sent on
     # time from wall 100.0, so the audio at stream time t left at 100 + ceil(t/0.1)*0.1.
@@ -102,6 +119,12 @@ def test_stream_metrics_on_a_scripted_timeline() -> None:
     assert m.finalised_s == pytest.approx((1.3, 0.8, 1.2, 0.7))
     assert m.end_of_speech_to_final_s == pytest.approx((0.8, 0.7))
     assert (m.words_reference, m.words_seen, m.words_finalised) == (4, 4, 4)
+    # The server's detector ended speech 0.2 s after each utterance: the same two turns.
+    by_vad = stream_metrics(words, timeline, sends_every(0.1, 45), speech_ends_s=[1.6, 4.0])
+    assert by_vad.end_of_speech_to_final_s == pytest.approx((0.8, 0.7))
+    # It heard the pause as part of one utterance: one turn, at its end.
+    one = stream_metrics(words, timeline, sends_every(0.1, 45), speech_ends_s=[4.0])
+    assert one.end_of_speech_to_final_s == pytest.approx((0.7,))
     assert (m.flicker_changed, m.flicker_shown) == (1, 1 + 2 + 2 + 1)
 
 
