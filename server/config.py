@@ -145,9 +145,10 @@ MAX_DECODE_LANES = 64  # each lane holds a copy of the model
 # only ~0.7 busy at 4-6 streams: the latency limit comes before the cores are full). Thirteen
 # quiet startups there timed a 4 s window of the calibration speech at 0.21-0.25 s; with the
 # round shared by the lanes (server.decode.capacity) their seeds give 4-5 streams at
-# 0.66-0.68, 4-6 at 0.69-0.7 (two 4, ten 5, one 6). 0.7 also keeps two instances with one
-# lane each, started at once on those two cores (their calibrations time each other: a 4 s
-# window 0.37-0.40 s), at two streams each, what half the machine carries (at 0.6, one each).
+# 0.66-0.68, 4-6 at 0.69-0.7 (two 4, ten 5, one 6). At 0.7 two one-lane instances on those
+# two cores say two streams each (a 4 s window 0.28-0.34 s), what half the machine carries;
+# two that calibrate at the same moment time each other (0.37-0.51 s) and may say one
+# (deploy/README.md).
 ADMISSION_UTILIZATION = 0.7
 
 
