@@ -266,7 +266,8 @@ class CapacityModel:
 
     @property
     def admission_budget_s(self) -> float:
-        """The time a lane's round of its share of the admitted streams may take."""
+        """Each lane's share of the time the admitted streams' round may take (the round
+        may take ``lanes`` times this)."""
         return self.hop_s * self.admission_utilization
 
     def seed(self, window_audio_s: Sequence[float], cost_s: float) -> None:
