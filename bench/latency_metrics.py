@@ -126,15 +126,6 @@ def align(reference: Sequence[str], hypothesis: Sequence[str]) -> dict[int, int]
     return pairs
 
 
-def split_utterances(words: Sequence[RefWord], gap_s: float) -> list[int]:
-    """Indices of the last word of each utterance: words followed by at least ``gap_s`` of
-    silence, and the last word."""
-    ends = [i for i in range(len(words) - 1) if words[i + 1].start_s - words[i].end_s >= gap_s]
-    if words:
-        ends.append(len(words) - 1)
-    return ends
-
-
 def utterance_ends_at(
     words: Sequence[RefWord], speech_ends_s: Sequence[float], within_s: float = 0.8
 ) -> list[int]:
@@ -240,12 +231,11 @@ def stream_metrics(
     observations: Sequence[Observation],
     sends: SendLog,
     *,
-    utterance_gap_s: float = 0.8,
-    speech_ends_s: Sequence[float] | None = None,
+    speech_ends_s: Sequence[float],
 ) -> StreamMetrics:
     """All metrics of one stream. ``observations`` in arrival order. Utterances end where
     the server's voice activity detector ended speech (``speech_ends_s``, stream seconds:
-    ``utterance_ends_at``) when given, else at reference words ``utterance_gap_s`` apart."""
+    ``utterance_ends_at``)."""
     ttft: float | None = None
     first = next((o.wall_s for o in observations if o.shown), None)
     if first is not None and reference:
@@ -257,12 +247,7 @@ def stream_metrics(
     finalised = tuple(f - e for f, e in zip(final, sent_end, strict=True) if f is not None)
     eos: list[float] = []
     begin = 0
-    ends = (
-        split_utterances(reference, utterance_gap_s)
-        if speech_ends_s is None
-        else utterance_ends_at(reference, speech_ends_s)
-    )
-    for end in ends:
+    for end in utterance_ends_at(reference, speech_ends_s):
         # The final that holds the end of the utterance: its last word, or when the
         # recogniser dropped that word, the last word of the utterance it did finalise.
         done = [final[k] for k in range(begin, end + 1) if final[k] is not None]

@@ -15,7 +15,6 @@ from bench.latency_metrics import (
     join_word_pieces,
     p50_p95_ms,
     percentile,
-    split_utterances,
     stream_metrics,
     utterance_ends_at,
 )
@@ -75,13 +74,6 @@ def test_word_pieces_join_the_word_before_them() -> None:
     assert join_word_pieces(ref(("...", 0.0, 0.1), (" oh", 0.1, 0.2))) == ref((" oh", 0.1, 0.2))
 
 
-def test_split_utterances_at_pauses() -> None:
-    words = ref(("a", 0.0, 0.3), ("b", 0.4, 0.7), ("c", 2.0, 2.2), ("d", 2.3, 2.5))
-    assert split_utterances(words, gap_s=0.8) == [1, 3]
-    assert split_utterances(words, gap_s=5.0) == [3]
-    assert split_utterances([], gap_s=0.8) == []
-
-
 def test_utterances_end_where_the_voice_activity_detector_ended_speech() -> None:
     words = ref(
         ("a", 0.0, 0.3), ("b", 0.4, 0.7), ("c", 2.0, 2.2), ("d", 2.3, 2.5), ("e", 8.0, 8.3)
@@ -112,16 +104,14 @@ def test_stream_metrics_on_a_scripted_timeline() -> None:
         obs(103.6, final="Hello world.", tentative="good"),
         obs(104.5, final="Hello world. Good bye."),  # 0.7 s after 3.8 s was sent (103.8)
     ]
-    m = stream_metrics(words, timeline, sends_every(0.1, 45), utterance_gap_s=0.8)
+    # The server's detector ended speech 0.2 s after each utterance (its trailing pad).
+    m = stream_metrics(words, timeline, sends_every(0.1, 45), speech_ends_s=[1.6, 4.0])
     assert m.ttft_s == pytest.approx(0.7)
     # first shown: hello 101.2-100.9, world 102.0-101.4, good 103.6-103.3, bye 104.5-103.8
     assert m.first_seen_s == pytest.approx((0.3, 0.6, 0.3, 0.7))
     assert m.finalised_s == pytest.approx((1.3, 0.8, 1.2, 0.7))
     assert m.end_of_speech_to_final_s == pytest.approx((0.8, 0.7))
     assert (m.words_reference, m.words_seen, m.words_finalised) == (4, 4, 4)
-    # The server's detector ended speech 0.2 s after each utterance: the same two turns.
-    by_vad = stream_metrics(words, timeline, sends_every(0.1, 45), speech_ends_s=[1.6, 4.0])
-    assert by_vad.end_of_speech_to_final_s == pytest.approx((0.8, 0.7))
     # It heard the pause as part of one utterance: one turn, at its end.
     one = stream_metrics(words, timeline, sends_every(0.1, 45), speech_ends_s=[4.0])
     assert one.end_of_speech_to_final_s == pytest.approx((0.7,))
@@ -133,7 +123,7 @@ def test_a_word_is_not_seen_before_its_audio_was_sent() -> None:
     # the first one, not the later one.
     words = ref(("the", 0.2, 0.4), ("cat", 0.5, 0.8), ("the", 5.0, 5.2), ("end", 5.3, 5.6))
     timeline = [obs(101.0, tentative="the"), obs(106.0, final="the cat the end")]
-    m = stream_metrics(words, timeline, sends_every(0.1, 60))
+    m = stream_metrics(words, timeline, sends_every(0.1, 60), speech_ends_s=[0.6, 5.8])
     assert m.first_seen_s[0] == pytest.approx(101.0 - 100.4)
     assert m.words_seen == 4
     assert m.first_seen_s[2] == pytest.approx(106.0 - 105.2)
@@ -144,7 +134,7 @@ def test_dropped_and_never_final_words() -> None:
     # end of speech to final falls back to the last finalised word of the utterance.
     words = ref(("hello", 0.0, 0.4), ("world", 0.5, 0.9), ("bye", 1.0, 1.3))
     timeline = [obs(101.0, tentative="hello world"), obs(102.0, final="hello")]
-    m = stream_metrics(words, timeline, sends_every(0.1, 20))
+    m = stream_metrics(words, timeline, sends_every(0.1, 20), speech_ends_s=[1.5])
     assert m.words_finalised == 1
     assert m.words_seen == 2
     assert m.finalised_s == pytest.approx((102.0 - 100.4,))
@@ -152,7 +142,7 @@ def test_dropped_and_never_final_words() -> None:
 
 
 def test_no_words_shown() -> None:
-    m = stream_metrics(ref(("a", 0.0, 0.2)), [], sends_every(0.1, 5))
+    m = stream_metrics(ref(("a", 0.0, 0.2)), [], sends_every(0.1, 5), speech_ends_s=[0.4])
     assert m.ttft_s is None
     assert m.first_seen_s == () and m.finalised_s == ()
     assert m.flicker_rate == 0.0
