@@ -79,6 +79,33 @@ def test_tiny_en_converts_into_an_empty_cache_then_loads_from_it(cache: Path) ->
     assert sorted(p.name for p in (cache / "converted").iterdir()) == [first.source.name]
 
 
+def test_processes_converting_into_an_empty_cache_at_once_all_load(cache: Path) -> None:
+    # Two servers started together on a fresh machine (a load balancer's instances) once
+    # shared one temporary file: one renamed it away under the other, which failed to start.
+    code = (
+        "import sys; from server.engine import store; "
+        "m = store.load_model('tiny.en', dtype='float32'); print(m.source, m.dims.n_vocab)"
+    )
+    env = {**os.environ, store.CACHE_ENV: str(cache)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [err[-800:] for _, err in outputs]
+    folders = {out.split()[0] for out, _ in outputs}
+    assert len(folders) == 1 and all(out.split()[1] == "51864" for out, _ in outputs)
+    (folder,) = folders
+    assert sorted(p.name for p in Path(folder).iterdir()) == ["config.json", "weights.safetensors"]
+
+
 def test_a_ct2_folder_given_by_path_is_converted(
     cache: Path, tiny_en_ct2: Path, tmp_path: Path
 ) -> None:

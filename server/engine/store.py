@@ -141,7 +141,7 @@ def convert_ct2(folder: Path, parts: list[Path], out: Path) -> Path:
     if len(parts) == 1:
         spec, variables = ct2_convert.read_model_bin(parts[0])
     else:
-        joined = out / "model.bin.joined"
+        joined = out / f"model.bin.{os.getpid()}.joined"
         out.mkdir(parents=True, exist_ok=True)
         with joined.open("wb") as fh:
             for part in parts:
@@ -163,11 +163,17 @@ def convert_ct2(folder: Path, parts: list[Path], out: Path) -> Path:
             raise ModelFormatError(f"{ct2_config}: not valid JSON ({exc})") from None
         if heads:
             config["alignment_heads"] = heads
+    # Servers started at once on a fresh machine convert at once (a load balancer's
+    # instances, benchmarks side by side): each writes its own temporary files, and the
+    # weights land last, since their presence is what tells a loader the folder is complete.
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "weights.tmp.safetensors"
+    mine = f"{os.getpid()}.tmp"
+    tmp_config = out / f"config.{mine}.json"
+    tmp_config.write_text(json.dumps(config, indent=1))
+    tmp_config.replace(out / "config.json")
+    tmp = out / f"weights.{mine}.safetensors"
     mx.save_safetensors(str(tmp), {k: mx.array(v.astype(np.float32)) for k, v in weights.items()})
     tmp.replace(out / "weights.safetensors")
-    (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
 
 
