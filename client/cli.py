@@ -55,7 +55,7 @@ from client.subtitles import (
     words_from_pieces,
 )
 from server.protocol.errors import ModelError, WhisperwireError
-from server.protocol.formats import ENCODINGS, SAMPLE_RATE_HZ, TASKS
+from server.protocol.formats import ENCODINGS, FINALS, SAMPLE_RATE_HZ, TASKS
 
 if TYPE_CHECKING:
     from server.core.engine_api import WordTiming
@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="language code such as 'en', or 'auto' to detect (default: the server's)",
     )
     net.add_argument("--task", choices=TASKS, help="default: the server's")
+    net.add_argument(
+        "--finals",
+        choices=FINALS,
+        help="'words': each word final about 2 s after it is said; 'utterance': an "
+        "utterance's words final together when it ends, from a beam search over all of it "
+        "(fewer errors on hard speech, later finals; default: the server's)",
+    )
     net.add_argument(
         "--format",
         choices=FORMATS,
@@ -348,6 +355,7 @@ async def _stream_async(
             token=args.token,
             language=args.language,
             task=args.task,
+            finals=args.finals,
             on_message=renderer.on_message,
         )
         return resumed.result

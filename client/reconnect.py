@@ -275,6 +275,7 @@ async def stream_with_reconnect(
     token: str | None = None,
     language: str | None = None,
     task: str | None = None,
+    finals: str | None = None,
     on_message: Callable[[ServerMessage], None] | None = None,
     on_reconnect: Callable[[str, float], None] | None = None,
     open_timeout_s: float = 10.0,
@@ -298,7 +299,7 @@ async def stream_with_reconnect(
     chooser = rng or random.Random()
     buffer = ReplayBuffer(source, policy.max_replay_s)
     sessions: list[StreamResult] = []
-    finals: list[FinalMessage] = []
+    received: list[FinalMessage] = []
     started_wall = clock()
     start_bytes = 0  # where the next session starts in the source
     seam: tuple[WordInfo, ...] = ()  # the final words before it, which it hears again
@@ -308,7 +309,7 @@ async def stream_with_reconnect(
     buffer.start()
     try:
         while True:
-            progress = _Progress(buffer, start_bytes, segments_before=len(finals), seam=seam)
+            progress = _Progress(buffer, start_bytes, segments_before=len(received), seam=seam)
 
             def deliver(message: ServerMessage, progress: _Progress = progress) -> None:
                 shifted = progress.receive(message)
@@ -324,6 +325,7 @@ async def stream_with_reconnect(
                     token=token,
                     language=language,
                     task=task,
+                    finals=finals,
                     on_message=deliver,
                     open_timeout_s=open_timeout_s,
                     ready_timeout_s=ready_timeout_s,
@@ -331,13 +333,13 @@ async def stream_with_reconnect(
                     clock=clock,
                 )
             except (ConnectError, StreamFailed) as exc:
-                finals.extend(progress.finals)  # shown already: they stay in the result
+                received.extend(progress.finals)  # shown already: they stay in the result
                 connected = connected or progress.ready
                 if not retryable(exc, connected_before=connected):
                     raise
                 error = exc
             else:
-                finals.extend(progress.finals)
+                received.extend(progress.finals)
                 connected = True
                 if not sessions:
                     first_offset_s = progress.offset_s
@@ -353,7 +355,7 @@ async def stream_with_reconnect(
                 if complete or policy.max_retries == 0:
                     return _merge(
                         sessions,
-                        finals,
+                        received,
                         buffer,
                         resumed_from_s=first_offset_s,
                         started_wall=started_wall,

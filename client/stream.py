@@ -218,6 +218,7 @@ def build_stream_url(
     encoding: str,
     language: str | None = None,
     task: str | None = None,
+    finals: str | None = None,
 ) -> str:
     """``url`` with the stream's query parameters set (other parameters are kept)."""
     parts = urllib.parse.urlsplit(url)
@@ -228,6 +229,8 @@ def build_stream_url(
         query["language"] = language
     if task is not None:
         query["task"] = task
+    if finals is not None:
+        query["finals"] = finals
     return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
 
 
@@ -239,6 +242,7 @@ async def stream_audio(
     token: str | None = None,
     language: str | None = None,
     task: str | None = None,
+    finals: str | None = None,
     on_message: Callable[[ServerMessage], None] | None = None,
     open_timeout_s: float = 10.0,
     ready_timeout_s: float = 30.0,
@@ -249,7 +253,7 @@ async def stream_audio(
 
     Args:
         url: the stream endpoint, e.g. ``ws://127.0.0.1:8765/v1/stream``; ``sample_rate``,
-            ``encoding``, ``language`` and ``task`` are added to its query.
+            ``encoding``, ``language``, ``task`` and ``finals`` are added to its query.
         source: the audio; its ``audio_format`` is announced to the server.
         pace: chunk i is sent no earlier than ``pace`` times its end in stream time after
             the first: 1.0 is real time, 0.5 twice as fast, 0 as fast as the server takes
@@ -257,6 +261,8 @@ async def stream_audio(
         token: API key, sent as ``Authorization: Bearer``.
         language: a language code, ``"auto"`` to detect; None leaves the server's default.
         task: ``"transcribe"`` or ``"translate"``; None leaves the server's default.
+        finals: ``"words"`` (final as decodes agree) or ``"utterance"`` (an utterance's words
+            final together when it ends, beam-searched); None leaves the server's default.
         on_message: called with every server message as it arrives, ``ready`` included.
         open_timeout_s: for the TCP and WebSocket handshakes.
         ready_timeout_s: for the server's ``ready``.
@@ -271,7 +277,12 @@ async def stream_audio(
         raise ValueError(f"pace must be >= 0; got {pace}")
     fmt = source.audio_format
     full_url = build_stream_url(
-        url, sample_rate_hz=fmt.sample_rate_hz, encoding=fmt.encoding, language=language, task=task
+        url,
+        sample_rate_hz=fmt.sample_rate_hz,
+        encoding=fmt.encoding,
+        language=language,
+        task=task,
+        finals=finals,
     )
     headers = {"Authorization": f"Bearer {token}"} if token else None
     ws = await _connect(url, full_url, headers, open_timeout_s)

@@ -5,11 +5,17 @@ The CLI only maps flags onto these; nothing else reads options from dictionaries
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from server.core.policy import CommitConfig
 from server.core.speakers import SpeakerConfig
-from server.protocol.formats import TASKS
+from server.protocol.formats import FINALS, TASKS
+
+# An utterance's window in "utterance" finals: long enough for most utterances to be decoded
+# whole, as offline decoding hears them (Whisper's 30 s context). Past half of it, words
+# commit one by one as in "words" finals, so a long utterance still gets finals.
+UTTERANCE_WINDOW_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,15 @@ class StreamingConfig:
     # ordinary re-decode. The audio, prefix and prompt are what the closing decode after the
     # endpoint would get, so the final is the same.
     speculative_closing: bool = True
+    # "words": each word becomes final once decodes agree on it with ``commit``'s right
+    # context (finals about 2 s after the word). "utterance": an utterance's words become
+    # final together when it ends, from a beam search over the whole utterance, while
+    # partials come as fast as ever (Deepgram's and OpenAI's finals are per utterance too).
+    # bench-accuracy on test-other (40 clips): see bench/README.md, "Finals per utterance".
+    finals: str = "words"
+    # Beam width of an utterance's closing decode in "utterance" finals, while every stream
+    # has a decode lane (under load it is greedy, as every closing decode is).
+    utterance_beam_size: int = 5
     # One binary audio frame; larger gets an error and 1009. The server's WebSocket frame
     # limit is derived from it, so this is the only place the limit is set.
     max_frame_bytes: int = 1 << 20
@@ -135,6 +150,29 @@ class StreamingConfig:
             raise ValueError("max_frame_bytes must be > 0")
         if not 1 <= self.closing_beam_size <= 16:
             raise ValueError(f"closing_beam_size must be in [1, 16]; got {self.closing_beam_size}")
+        if not 1 <= self.utterance_beam_size <= 16:
+            raise ValueError(
+                f"utterance_beam_size must be in [1, 16]; got {self.utterance_beam_size}"
+            )
+        if self.finals not in FINALS:
+            raise ValueError(f"finals must be one of {', '.join(FINALS)}; got {self.finals!r}")
+
+    def with_finals(self, finals: str) -> StreamingConfig:
+        """This config as a stream with ``finals`` runs it. "utterance": windows to
+        ``UTTERANCE_WINDOW_S`` whatever the load (a window cut at its cap commits words
+        unchecked), nothing committed before half of that, and a beam-searched closing decode."""
+        if finals == "words":
+            return dataclasses.replace(self, finals=finals)
+        if finals != "utterance":
+            raise ValueError(f"finals must be one of {', '.join(FINALS)}; got {finals!r}")
+        return dataclasses.replace(
+            self,
+            finals=finals,
+            max_window_s=UTTERANCE_WINDOW_S,
+            crowded_max_window_s=UTTERANCE_WINDOW_S,
+            closing_beam_size=self.utterance_beam_size,
+            commit=dataclasses.replace(self.commit, min_window_s=UTTERANCE_WINDOW_S / 2),
+        )
 
 
 MAX_DECODE_LANES = 64  # each lane holds a copy of the model

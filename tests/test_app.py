@@ -429,7 +429,12 @@ async def test_bad_query_parameters_are_refused(server_url: str) -> None:
 
 async def test_query_parameters_configure_the_session(server_url: str) -> None:
     url = stream_url(
-        server_url, sample_rate="48000", encoding="pcm_f32le", language="en", end_of_speech_ms="300"
+        server_url,
+        sample_rate="48000",
+        encoding="pcm_f32le",
+        language="en",
+        end_of_speech_ms="300",
+        finals="utterance",
     )
     async with connect(url) as ws:
         ready = json.loads(await ws.recv())
@@ -439,8 +444,10 @@ async def test_query_parameters_configure_the_session(server_url: str) -> None:
         "en",
     )
     assert ready["end_of_speech_ms"] == 300 and ready["task"] == "transcribe"
+    assert ready["finals"] == "utterance"
     async with connect(stream_url(server_url)) as ws:
-        assert json.loads(await ws.recv())["end_of_speech_ms"] == 500  # the server's
+        ready = json.loads(await ws.recv())
+    assert ready["end_of_speech_ms"] == 500 and ready["finals"] == "words"  # the server's
 
 
 # --------------------------------------------------------------------------- HTTP

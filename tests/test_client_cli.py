@@ -151,6 +151,36 @@ async def test_jsonl_output_is_every_message(
     assert wer(reference(manifest, LIBRI_JSONL), text) <= MAX_WER_CLIP, text
 
 
+async def test_finals_per_utterance_come_when_each_utterance_ends(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    run = await whisperwire(
+        "stream",
+        str(speech_dir / LIBRI_JSONL),
+        "--url",
+        stream_url(server_url),
+        "--pace",
+        "0",
+        "--format",
+        "jsonl",
+        "--finals",
+        "utterance",
+    )
+    assert run.status == 0, run.stderr
+    messages = [json.loads(line) for line in run.stdout.splitlines()]
+    assert messages[0]["type"] == "ready" and messages[0]["finals"] == "utterance"
+    speaking, finals = False, []
+    for m in messages:
+        if m["type"] in ("speech_started", "speech_ended"):
+            speaking = m["type"] == "speech_started"
+        elif m["type"] == "final":
+            assert not speaking, m  # no word final before its utterance ended
+            finals.append(m)
+    assert finals and [m["type"] for m in messages].count("speech_ended") == len(finals)
+    text = " ".join(f["text"] for f in finals)
+    assert wer(reference(manifest, LIBRI_JSONL), text) <= MAX_WER_CLIP, text
+
+
 @pytest.mark.parametrize("fmt", ["srt", "vtt"])
 async def test_subtitles_from_a_stream_follow_the_cue_rules(
     server_url: str, speech_dir: Path, manifest: list[ManifestRow], fmt: str

@@ -78,7 +78,7 @@ def test_ready_json_is_compact_and_names_the_protocol() -> None:
     assert text == (
         '{"type":"ready","session_id":"abc","model":"tiny.en","sample_rate":16000,'
         '"encoding":"pcm_s16le","language":"en","task":"transcribe","protocol":"v1",'
-        '"audio_received_s":0.0,"speakers":false}'
+        '"audio_received_s":0.0,"speakers":false,"finals":"words"}'
     )
 
 
@@ -89,6 +89,22 @@ def test_ready_says_whether_speakers_are_labelled_and_older_servers_did_not() ->
     del older["speakers"]
     parsed = parse_server_message(json.dumps(older))
     assert isinstance(parsed, ReadyMessage) and parsed.speakers is False
+
+
+def test_ready_says_when_words_become_final_and_older_servers_finalised_words() -> None:
+    ready = ReadyMessage("a", "m", 16000, "pcm_s16le", "en", "transcribe", finals="utterance")
+    assert parse_server_message(ready.to_json()) == ready
+    older = json.loads(ready.to_json())
+    del older["finals"]
+    parsed = parse_server_message(json.dumps(older))
+    assert isinstance(parsed, ReadyMessage) and parsed.finals == "words"
+
+
+def test_config_chooses_finals_among_the_known_ones() -> None:
+    message = parse_client_message('{"type":"config","finals":"utterance"}')
+    assert message == ConfigMessage(finals="utterance")
+    with pytest.raises(ProtocolError, match="finals"):
+        parse_client_message('{"type":"config","finals":"sentence"}')
 
 
 def test_floats_are_rounded_to_milliseconds() -> None:

@@ -27,9 +27,9 @@ from bench.accuracy import modelled_cost_s
 from bench.corpus import ManifestRow, find_speech_dir, load_clip, normalize, wer
 from bench.simulate import SimulationResult, simulate
 from server.apis.v1_stream import apply_text
-from server.config import StreamingConfig
+from server.config import UTTERANCE_WINDOW_S, StreamingConfig
 from server.core.agreement import normalize_word
-from server.core.engine_api import DecodeResult, Window, WordTiming
+from server.core.engine_api import DecodeOptions, DecodeResult, Window, WordTiming
 from server.core.session import (
     MAX_DECODE_FAILURES,
     DecodeJob,
@@ -261,6 +261,30 @@ def test_hard_clips_stream_as_accurately_as_offline(
     clips = [r.file for r in hard_clips(manifest)]
     assert len(clips) == 4
     _assert_streams_as_accurately_as_offline(engine, offline_text, speech_dir, manifest, clips)
+
+
+@pytest.mark.slow
+def test_hard_clips_with_utterance_finals_stream_as_accurately_as_offline_beam_search(
+    engine: Engine, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    """``finals: "utterance"`` on the same test-other clips, held against offline beam 5
+    (Whisper's own best decode of each clip heard whole), not greedy decoding."""
+    from server.engine.offline import transcribe_audio  # loads MLX: only where it is needed
+
+    clips = [r.file for r in hard_clips(manifest)]
+    beam = DecodeOptions(word_timestamps=False, beam_size=5)
+
+    def offline_beam(path: Path) -> str:
+        return transcribe_audio(engine, load_clip(path), beam).text
+
+    _assert_streams_as_accurately_as_offline(
+        engine,
+        offline_beam,
+        speech_dir,
+        manifest,
+        clips,
+        streaming=StreamingConfig(finals="utterance"),
+    )
 
 
 # Long sentences with no pause to cut in: at a 4 s window every cut lands inside speech.
@@ -811,6 +835,92 @@ def test_a_closing_decode_is_beam_searched_while_every_stream_has_a_lane(
         1 if crowded else config.closing_beam_size
     }
     assert {beam for closing, beam in widths if not closing} == {1}
+
+
+UTTERANCE_CLIPS = (  # two utterances of 10 s and 3 s with a second of silence between
+    "librispeech_test-clean/1089-134686-0000.wav",
+    "librispeech_test-clean/1089-134686-0001.wav",
+)
+
+
+def _two_utterances(speech_dir: Path) -> list[bytes]:
+    silence = np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)
+    first, second = (load_clip(speech_dir / f) for f in UTTERANCE_CLIPS)
+    return _frames_of(np.concatenate([first, silence, second, silence]), chunk_s=0.03)
+
+
+def _open_finals(log: list[tuple[int, SessionEvent | DecodeJob]]) -> list[FinalMessage]:
+    """The finals sent while their utterance was still open (before its speech_ended)."""
+    open_finals: list[FinalMessage] = []
+    speaking = False
+    for _, item in log:
+        if isinstance(item, SpeechStartedMessage | SpeechEndedMessage):
+            speaking = isinstance(item, SpeechStartedMessage)
+        elif isinstance(item, FinalMessage) and speaking:
+            open_finals.append(item)
+    return open_finals
+
+
+@pytest.mark.parametrize("crowded", [False, True])
+def test_utterance_finals_come_together_from_one_decode_of_the_whole_utterance(
+    speech_dir: Path, crowded: bool
+) -> None:
+    """``finals: "utterance"``: partials as speech goes on, and an utterance's words final
+    together when it ends, from a decode of all of it with nothing forced: a beam search
+    while every stream has a lane, greedy under load."""
+    session = Session("utterance")
+    session.configure(StreamSettings(finals="utterance"))
+    log = _drive_logging_jobs(
+        session, ScriptedEngine(), _two_utterances(speech_dir), crowded=crowded
+    )
+    starts = [e.start for _, e in log if isinstance(e, SpeechStartedMessage)]
+    assert len(starts) >= 2
+    assert not _open_finals(log)
+    finals = [e for _, e in log if isinstance(e, FinalMessage)]
+    assert len(finals) == len(starts)  # one final per utterance, all of its words
+    items = [item for _, item in log]
+    first_partial = next(i for i, e in enumerate(items) if isinstance(e, PartialMessage) and e.text)
+    first_end = next(i for i, e in enumerate(items) if isinstance(e, SpeechEndedMessage))
+    assert first_partial < first_end  # the viewer sees text while the speaker speaks
+    closing = [job for _, job in log if isinstance(job, DecodeJob) and job.closing]
+    assert {job.request.options.beam_size for job in closing} == {1 if crowded else 5}
+    assert all(not job.request.prefix for job in closing)
+    assert {round(job.start_s, 3) for job in closing} == {round(s, 3) for s in starts}
+
+    words = Session("words")  # the default: words final while the utterance goes on
+    log = _drive_logging_jobs(words, ScriptedEngine(), _two_utterances(speech_dir), crowded=crowded)
+    assert _open_finals(log)
+
+
+def test_utterance_finals_go_word_by_word_past_half_the_window(speech_dir: Path) -> None:
+    """An utterance longer than half of ``UTTERANCE_WINDOW_S`` gets finals as it goes, so a
+    speaker who never pauses still sees text become final; never from a window shorter
+    than that, and no window longer than the cap."""
+    session = Session("long")
+    session.configure(StreamSettings(finals="utterance"))
+    clip = load_clip(speech_dir / LONG_SPEECH_CLIP)[: 70 * SAMPLE_RATE_HZ]
+    log = _drive_logging_jobs(session, ScriptedEngine(), _frames_of(clip, chunk_s=0.1))
+    assert max(job.audio_s for _, job in log if isinstance(job, DecodeJob)) <= UTTERANCE_WINDOW_S
+    early = _open_finals(log)
+    assert early
+    # Each final of an open utterance comes from the decode just before it in the log.
+    last_job: DecodeJob | None = None
+    for _, item in log:
+        if isinstance(item, DecodeJob):
+            last_job = item
+        elif any(item is f for f in early):
+            assert last_job is not None and not last_job.closing
+            assert last_job.audio_s >= UTTERANCE_WINDOW_S / 2
+
+
+def test_finals_may_be_chosen_per_stream_and_are_checked() -> None:
+    server_default = Session("default", streaming=StreamingConfig(finals="utterance"))
+    assert server_default.streaming.finals == "utterance"
+    assert server_default.streaming.commit.min_window_s == UTTERANCE_WINDOW_S / 2
+    server_default.configure(StreamSettings(finals="words"))
+    assert server_default.streaming == StreamingConfig(finals="words")
+    with pytest.raises(ProtocolError, match="finals must be one of words, utterance"):
+        Session("bad").configure(StreamSettings(finals="sentence"))
 
 
 def test_a_small_window_cap_brings_the_first_commit_forward(speech_dir: Path) -> None:

@@ -29,7 +29,15 @@ from server.protocol.messages import (
 )
 
 STREAM_PATH = "/v1/stream"
-QUERY_FIELDS = ("sample_rate", "encoding", "language", "task", "end_of_speech_ms", "speakers")
+QUERY_FIELDS = (
+    "sample_rate",
+    "encoding",
+    "language",
+    "task",
+    "end_of_speech_ms",
+    "speakers",
+    "finals",
+)
 
 
 class StreamControls(Protocol):
@@ -61,6 +69,7 @@ def settings_from_config(message: ConfigMessage, current: StreamSettings) -> Str
         if message.end_of_speech_ms is None
         else message.end_of_speech_ms,
         speakers=current.speakers if message.speakers is None else message.speakers,
+        finals=message.finals or current.finals,
     )
 
 

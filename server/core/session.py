@@ -49,7 +49,7 @@ from server.core.speakers import EmbedJob, SpeakerLabel, SpeakerTracker
 from server.core.vad import SpeechEnded, SpeechStarted, VadSegmenter
 from server.protocol.audio import PcmDecoder
 from server.protocol.errors import ProtocolError
-from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
+from server.protocol.formats import FINALS, SAMPLE_RATE_HZ, AudioFormat
 from server.protocol.messages import (
     DoneMessage,
     ErrorMessage,
@@ -95,6 +95,8 @@ class StreamSettings:
     vad_aggressiveness: int | None = None  # webrtcvad's mode 0-3; None: the server's
     # Speaker labels on finals and words; None: the server's (StreamingConfig.speakers).
     speakers: bool | None = None
+    # "words" or "utterance" (``StreamingConfig.finals``); None: the server's.
+    finals: str | None = None
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,9 @@ class Session:
         multilingual: bool = False,
     ) -> None:
         self.session_id = session_id
-        self.streaming = streaming or StreamingConfig()
+        self._server_streaming = streaming or StreamingConfig()
+        # As this stream's finals make it (``configure``).
+        self.streaming = self._server_streaming.with_finals(self._server_streaming.finals)
         self._server_vad = vad or VadConfig()
         self.vad_config = self._server_vad  # as this stream's settings make it (``configure``)
         self.multilingual = multilingual
@@ -317,6 +321,10 @@ class Session:
             raise ProtocolError(
                 "speaker labels are off on this server (whisperwire-server --speakers)"
             )
+        if settings.finals not in (None, *FINALS):
+            raise ProtocolError(
+                f"finals must be one of {', '.join(FINALS)}; got {settings.finals!r}"
+            )
         if self.multilingual:
             return settings
         if settings.language not in (None, "en"):
@@ -339,6 +347,9 @@ class Session:
         )
         self._detector = None
         chosen = self._settings
+        self.streaming = self._server_streaming.with_finals(
+            chosen.finals or self._server_streaming.finals
+        )
         self.vad_config = dataclasses.replace(
             self._server_vad,
             speech_end_silence_ms=_or(

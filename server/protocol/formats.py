@@ -14,6 +14,9 @@ ENCODINGS = ("pcm_s16le", "pcm_f32le")
 MIN_SAMPLE_RATE_HZ = 8_000
 MAX_SAMPLE_RATE_HZ = 48_000
 TASKS = ("transcribe", "translate")
+# When a stream's words become final: one by one as decodes agree on them, or an utterance's
+# together when it ends (``StreamingConfig.finals``).
+FINALS = ("words", "utterance")
 
 
 @dataclass(frozen=True)

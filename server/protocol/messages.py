@@ -25,7 +25,13 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from server.protocol.errors import ProtocolError
-from server.protocol.formats import ENCODINGS, MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, TASKS
+from server.protocol.formats import (
+    ENCODINGS,
+    FINALS,
+    MAX_SAMPLE_RATE_HZ,
+    MIN_SAMPLE_RATE_HZ,
+    TASKS,
+)
 
 PROTOCOL_VERSION = "v1"
 MAX_TEXT_MESSAGE_BYTES = 64 * 1024  # checked before json.loads so a huge text costs no parsing
@@ -55,10 +61,13 @@ class ConfigMessage:
     task: str | None = None
     end_of_speech_ms: int | None = None  # the silence that ends an utterance, for this stream
     speakers: bool | None = None  # speaker labels on finals and words (servers with --speakers)
+    finals: str | None = None  # "words" or "utterance": when words become final (FINALS)
 
     def to_json(self) -> str:
         """Compact JSON with only the fields that were given."""
         obj: dict[str, object] = {"type": "config"}
+        if self.finals is not None:
+            obj["finals"] = self.finals
         if self.speakers is not None:
             obj["speakers"] = self.speakers
         if self.end_of_speech_ms is not None:
@@ -113,6 +122,9 @@ class ReadyMessage:
     # Speaker labels on this stream's finals and words (a ``config`` may still turn them
     # off); False from servers that predate the field.
     speakers: bool = False
+    # When words become final on this stream: "words" (as agreed, ~2 s) or "utterance" (at
+    # its end, beam-searched); "words" from servers that predate the field.
+    finals: str = "words"
 
     def to_json(self) -> str:
         """Compact JSON, with ``"protocol": "v1"``."""
@@ -133,6 +145,7 @@ class ReadyMessage:
                     else {}
                 ),
                 "speakers": self.speakers,
+                "finals": self.finals,
             }
         )
 
@@ -380,6 +393,7 @@ def parse_client_message(text: str) -> ClientMessage:
             task=_check_choice(fields.opt_str("task"), "task", TASKS),
             end_of_speech_ms=fields.opt_int("end_of_speech_ms"),
             speakers=fields.opt_bool("speakers") if "speakers" in obj else None,
+            finals=_check_choice(fields.opt_str("finals"), "finals", FINALS),
         )
     elif kind == "flush":
         message = FlushMessage()
@@ -432,6 +446,7 @@ def _parse_ready(f: _Fields) -> ReadyMessage:
         audio_received_s=f.float_("audio_received_s"),
         end_of_speech_ms=f.opt_int("end_of_speech_ms"),
         speakers=f.opt_bool("speakers"),
+        finals=f.opt_str("finals") or "words",
     )
 
 

@@ -3,7 +3,7 @@
     whisperwire-server [--host 127.0.0.1] [--port 8765] [--model tiny.en] [--dtype float32]
                        [--quantize-bits 4|8] [--min-context-s 3] [--max-batch-size 8]
                        [--batch-wait-ms 5] [--decode-lanes auto] [--min-right-context-s 0.8]
-                       [--closing-beam-size 5]
+                       [--closing-beam-size 5] [--finals words|utterance]
                        [--max-sessions 32] [--no-capacity-limit] [--capacity N]
                        [--capacity-hop-s 1] [--capacity-utilization 0.8]
                        [--admission-utilization 0.7]
@@ -38,6 +38,7 @@ from server.core.policy import CommitConfig
 from server.core.speakers import SpeakerConfig
 from server.engine.store import DEFAULT_MODEL, available_models
 from server.protocol.errors import ModelError
+from server.protocol.formats import FINALS
 
 if TYPE_CHECKING:
     from server.engine.engine import Engine, EngineConfig
@@ -132,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=StreamingConfig().closing_beam_size,
         help="beam width of the decode that commits the rest of an utterance when it ends, "
         "while every stream has a decode lane; 1: greedy (default %(default)s)",
+    )
+    streaming.add_argument(
+        "--finals",
+        choices=FINALS,
+        default=StreamingConfig().finals,
+        help="when words become final: 'words' one by one as decodes agree (about 2 s after "
+        "each), 'utterance' an utterance's together when it ends, from a beam search over it "
+        "(offline beam-5 accuracy, later finals); a v1 stream may choose (default %(default)s)",
     )
     streaming.add_argument(
         "--speculative-closing",
@@ -309,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         streaming = StreamingConfig(
             closing_beam_size=args.closing_beam_size,
             speculative_closing=args.speculative_closing,
+            finals=args.finals,
             commit=CommitConfig(min_right_context_s=args.min_right_context_s),
             speakers=SpeakerConfig(enabled=args.speakers),
         )

@@ -201,6 +201,7 @@ class Connection:
                 task=session.settings.task,
                 end_of_speech_ms=session.vad_config.speech_end_silence_ms,
                 speakers=session.labels_speakers,
+                finals=session.streaming.finals,
             )
         )
         self.log.info(
