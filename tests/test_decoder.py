@@ -107,6 +107,35 @@ def test_a_sentence_read_again_with_a_new_first_word_is_a_repeat() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("text", "copy"),
+    [
+        (
+            "and the later traditions tend to extend the period"
+            " the latter traditions tend to extend the period",
+            "the latter traditions tend to extend the period",
+        ),
+        (
+            "the biblical narratives apparently disagree regarding the derates of the sojourn"
+            " in egypt the biblical narratives apparently disagreeing the derates of the"
+            " sojourn in egypt",
+            "the biblical narratives apparently disagreeing the derates of the sojourn in egypt",
+        ),
+    ],
+)
+def test_a_sentence_read_again_with_a_word_or_two_changed_is_a_repeat(text: str, copy: str) -> None:
+    # Two ends of closing beam searches over an utterance (test-other 2609 long).
+    words = _words(text)
+    assert words[repeat_start(words, 3) or 0 :] == _words(copy)
+
+
+def test_a_sentence_said_again_with_more_changed_is_speech() -> None:
+    words = _words(
+        "the old man walked slowly down to the river the young man ran quickly down to the river"
+    )
+    assert repeat_start(words, 3) is None
+
+
 def test_a_short_phrase_said_again_with_a_new_first_word_is_speech() -> None:
     # Six words of the copy agree: under 2 * 3 + 1, so nothing is cut.
     words = _words("we went to the park at noon and they went to the park at noon")

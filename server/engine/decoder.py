@@ -151,29 +151,62 @@ def repeated_tail(
 def repeat_start(keys: list[str], min_words: int) -> int | None:
     """Where the words stop being new: the earliest ``s`` such that ``keys[s:]`` repeats the
     ``k`` words before it, periodically, at least once in full, for some ``k >= min_words``
-    (a trailing partial copy is allowed). None when the ending repeats nothing. Phrases
-    shorter than ``min_words`` do not count: people do repeat a word or two.
-
-    A copy of at least ``2 * min_words + 1`` words whose first word alone differs ("that was
-    followed when it was prepared in the Domonica. It was followed when it was prepared in the
-    Domonica.") is a repeat too, from that word on: a beam search at the end of the audio
-    reads the last sentence again with a new opening, and length normalisation ranks the
-    confident copy first (bench-accuracy, test-other 367-130732-0005: 15 errors, 5 without)."""
+    (a trailing partial copy is allowed), or reads them again loosely (``_loose_copy_start``).
+    None when the ending repeats nothing. Phrases shorter than ``min_words`` do not count:
+    people do repeat a word or two."""
     n = len(keys)
     best: int | None = None
     for k in range(min_words, n // 2 + 1):
         s = n  # walk back while each word equals the one k before it
         while s - 1 - k >= 0 and keys[s - 1] == keys[s - 1 - k]:
             s -= 1
-        if n - s >= k:
-            start = s
-        elif n - s == k - 1 and n - s >= 2 * min_words:
-            start = n - k
-        else:
-            continue
-        if best is None or start < best:
-            best = start
+        if n - s >= k and (best is None or s < best):
+            best = s
+    loose = _loose_copy_start(keys, 2 * min_words + 1)
+    if loose is not None and (best is None or loose < best):
+        best = loose
     return best
+
+
+def _loose_copy_start(keys: list[str], min_words: int) -> int | None:
+    """Where an ending of at least ``min_words`` words starts that reads the words just
+    before it again with a word or two changed (one edit per five words, at least one): a
+    beam search at the end of the audio reads the last sentence again, and length
+    normalisation ranks the longer text first. Seen: "... in the domonica. It was followed
+    when it was prepared in the domonica." (test-other 367-130732-0005, 15 errors, 5
+    without); "The latter traditions tend to extend the period. The later traditions tend to
+    extend the period." and "... disagree regarding the derates of the sojourn in Egypt. The
+    biblical narratives apparently disagreeing the derates of the sojourn in Egypt." (an
+    utterance's closing beam search on test-other 2609 long). Both copies end alike, which
+    keeps the search to a few candidate lengths."""
+    n = len(keys)
+    for m in range(n // 2, min_words - 1, -1):  # the longest copy first: the earliest start
+        s = n - m
+        if keys[s - 1] != keys[-1]:
+            continue
+        allowed = max(1, m // 5)
+        for la in range(max(min_words, m - allowed), min(s, m + allowed) + 1):
+            if _word_edits(keys[s - la : s], keys[s:], allowed) <= allowed:
+                return s
+    return None
+
+
+def _word_edits(a: list[str], b: list[str], limit: int) -> int:
+    """Word-level edit distance of ``a`` and ``b``; anything above ``limit`` reads as
+    ``limit + 1``."""
+    if abs(len(a) - len(b)) > limit:
+        return limit + 1
+    previous = list(range(len(b) + 1))
+    for i, word in enumerate(a, start=1):
+        current = [i]
+        for j, other in enumerate(b, start=1):
+            current.append(
+                min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (word != other))
+            )
+        if min(current) > limit:
+            return limit + 1
+        previous = current
+    return min(previous[-1], limit + 1)
 
 
 def draft_continuation(draft: tuple[int, ...], n_prefix: int, eot: int) -> tuple[int, ...]:
