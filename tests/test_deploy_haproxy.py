@@ -12,8 +12,8 @@ the same in real headless Chromium (``tests/test_web_page.py`` drives it).
 
 Admission (#32): a full instance's 503 is replayed by HAProxy on the other, and a client sees
 a 503 with ``Retry-After`` only when every instance is full (scripted engines, capacities
-pinned); four sessions opened at once on two fresh real instances with the capacity estimate
-on are all served.
+pinned); as many sessions as two fresh real instances with the capacity estimate on say they
+carry (four on our CPUs), opened at once, are all served.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import subprocess
 import threading
 import time
 import wave
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +75,7 @@ API_KEY = "deploy-test-key"
 SESSIONS = "whisperwire_sessions_total"
 ACTIVE = "whisperwire_sessions_active"
 REFUSED = "whisperwire_sessions_refused_total"
+CAPACITY = "whisperwire_capacity_streams"
 MAX_WER_CLIP = 0.35  # as in test_app: one short clip streamed, a word or two wrong
 # The six clips of the spread check, 4 to 11 s each; all different, so a mix-up shows.
 SPREAD_CLIPS = (
@@ -719,16 +720,18 @@ ADMISSION_INSTANCE_ARGS = (
 BURST_CLIPS = SPREAD_CLIPS[:4]  # 4 to 11 s each, all different
 
 
-async def four_at_once(lb: Balanced, speech_dir: Path, pace: float) -> list[StreamResult]:
-    """``BURST_CLIPS`` opened through HAProxy at the same moment, each its own v1 session,
-    without the client's retries: a refusal is an error here, not a wait."""
+async def all_at_once(
+    lb: Balanced, speech_dir: Path, pace: float, files: Sequence[str]
+) -> list[StreamResult]:
+    """``files`` opened through HAProxy at the same moment, each its own v1 session, without
+    the client's retries: a refusal is an error here, not a wait."""
 
     async def one(file: str) -> StreamResult:
         source = FileSource(speech_dir / file)
         return await stream_audio(lb.stream_url, source, pace=pace, token=API_KEY)
 
     outcomes = await asyncio.wait_for(
-        asyncio.gather(*(one(f) for f in BURST_CLIPS), return_exceptions=True), 240
+        asyncio.gather(*(one(f) for f in files), return_exceptions=True), 240
     )
     refused = [repr(o) for o in outcomes if isinstance(o, BaseException)]
     assert not refused, refused
@@ -737,12 +740,16 @@ async def four_at_once(lb: Balanced, speech_dir: Path, pace: float) -> list[Stre
 
 @pytest.mark.slow
 @on_session_loop
-async def test_four_sessions_at_once_on_two_fresh_instances_are_all_served(
+async def test_as_many_sessions_at_once_as_two_fresh_instances_carry_are_all_served(
     speech_dir: Path, manifest: list[ManifestRow], tmp_path: Path
 ) -> None:
-    """#32: two fresh instances with the admission on, four v1 sessions opened at once through
-    the shipped HAProxy config, first as fast as they go (the burst that used to take the
-    estimate down), then in real time: none refused, each transcribes its own clip.
+    """#32: two fresh instances with the admission on, and as many v1 sessions as they say
+    they carry together (up to four: each one-lane instance carries two on our CPUs, where
+    a 2 s window takes about 90 ms; one on a machine three times slower) opened at once
+    through the shipped HAProxy config, first as fast as they go (the burst that used to take
+    the estimate down), then in real time: none refused, each transcribes its own clip. What
+    a machine carries is bench-capacity's to measure; this holds the balancer and the
+    admission to what the instances announce.
 
     The instances start one after the other: on these two cores, two startup calibrations
     at the same moment time each other (a 4 s window 0.37-0.51 s on CPU time, against
@@ -759,13 +766,17 @@ async def test_four_sessions_at_once_on_two_fresh_instances_are_all_served(
         for instance in instances:
             await instance.start()
             await instance.wait_ready()
+        carried = [int(await instance_metric(i, CAPACITY)) for i in instances]
+        figures["capacity_streams"] = carried
+        assert min(carried) >= 1, carried
+        files = BURST_CLIPS[: min(len(BURST_CLIPS), sum(carried))]
         async with haproxy_in_front(ports, tmp_path) as lb:
             for pace, name in ((0.0, "burst"), (1.0, "real_time")):
                 await lb.haproxy.wait_for("ww1", "UP")
                 await lb.haproxy.wait_for("ww2", "UP")
                 figures[f"{name}_readyz"] = [(await i.get("/readyz"))[1] for i in instances]
                 before = [await sessions_total(i) for i in instances]
-                results = await four_at_once(lb, speech_dir, pace)
+                results = await all_at_once(lb, speech_dir, pace, files)
                 after = [await sessions_total(i) for i in instances]
                 figures[f"{name}_sessions_per_instance"] = [
                     int(a - b) for a, b in zip(after, before, strict=True)
@@ -773,15 +784,18 @@ async def test_four_sessions_at_once_on_two_fresh_instances_are_all_served(
                 figures[f"{name}_refused_by_instances"] = [
                     await instance_metric(i, REFUSED + '{reason="capacity"}') for i in instances
                 ]
-                assert sum(after) - sum(before) == len(BURST_CLIPS)
-                for file, result in zip(BURST_CLIPS, results, strict=True):
+                assert sum(after) - sum(before) == len(files)
+                for file, result in zip(files, results, strict=True):
                     check_complete(result, clip_s(speech_dir, file))
                     error = wer(reference(manifest, file), result.text)
                     assert error <= MAX_WER_CLIP, (file, result.text)
                 figures[f"{name}_wer"] = [
                     round(wer(reference(manifest, f), r.text), 3)
-                    for f, r in zip(BURST_CLIPS, results, strict=True)
+                    for f, r in zip(files, results, strict=True)
                 ]
+                if name == "burst":  # it did not take the estimate down (the bug behind #32)
+                    now = [int(await instance_metric(i, CAPACITY)) for i in instances]
+                    assert now == carried, (now, carried)
             figures["after_readyz"] = [(await i.get("/readyz"))[1] for i in instances]
     finally:
         await stop_all(instances)
