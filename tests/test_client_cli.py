@@ -16,6 +16,7 @@ import sys
 import wave
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -122,21 +123,21 @@ async def test_text_output_and_stats(
     assert float(rtf[3]) == pytest.approx(float(rtf[2]) / float(rtf[1]), abs=0.01)
 
 
-async def test_jsonl_output_is_every_message(
-    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
-) -> None:
+async def _jsonl_of_stream(server_url: str, speech_dir: Path, *flags: str) -> list[Any]:
+    """``LIBRI_JSONL`` streamed as fast as it goes with ``--format jsonl``: every message."""
     run = await whisperwire(
         "stream",
         str(speech_dir / LIBRI_JSONL),
-        "--url",
-        stream_url(server_url),
-        "--pace",
-        "0",
-        "--format",
-        "jsonl",
+        *("--url", stream_url(server_url), "--pace", "0", "--format", "jsonl", *flags),
     )
     assert run.status == 0, run.stderr
-    messages = [json.loads(line) for line in run.stdout.splitlines()]
+    return [json.loads(line) for line in run.stdout.splitlines()]
+
+
+async def test_jsonl_output_is_every_message(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    messages = await _jsonl_of_stream(server_url, speech_dir)
     assert all(isinstance(m["type"], str) and "audio_received_s" in m for m in messages)
     kinds = [m["type"] for m in messages]
     assert kinds[0] == "ready" and kinds[-1] == "done", kinds
@@ -154,20 +155,7 @@ async def test_jsonl_output_is_every_message(
 async def test_finals_per_utterance_come_when_each_utterance_ends(
     server_url: str, speech_dir: Path, manifest: list[ManifestRow]
 ) -> None:
-    run = await whisperwire(
-        "stream",
-        str(speech_dir / LIBRI_JSONL),
-        "--url",
-        stream_url(server_url),
-        "--pace",
-        "0",
-        "--format",
-        "jsonl",
-        "--finals",
-        "utterance",
-    )
-    assert run.status == 0, run.stderr
-    messages = [json.loads(line) for line in run.stdout.splitlines()]
+    messages = await _jsonl_of_stream(server_url, speech_dir, "--finals", "utterance")
     assert messages[0]["type"] == "ready" and messages[0]["finals"] == "utterance"
     speaking, finals = False, []
     for m in messages:
