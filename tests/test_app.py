@@ -1162,8 +1162,10 @@ async def test_a_pace_0_burst_of_the_real_model_leaves_the_capacity_estimate_alo
     async with WhisperwireServer(load, server=config, pipeline=lanes) as srv:
         url = stream_url(srv.url)
         start = srv.capacity_streams
-        # tiny.en on two lanes: 4 on our CPUs (a 2 s window in 90-115 ms), 2 on slower ones.
-        assert start >= 2, srv.capacity_summary()
+        # tiny.en on two lanes: 4 on our CPUs (a 2 s window in 90-115 ms), 1 on one 2.9x
+        # slower with the suite's other workers busy (a 4 s window 0.86 s): what a machine
+        # carries is bench-capacity's to measure; the burst of as many as it says is this test's.
+        assert start >= 1, srv.capacity_summary()
         clients = min(start, 4)
         burst = [stream_audio(url, FileSource(clip), pace=0) for _ in range(clients)]
         results = await asyncio.wait_for(asyncio.gather(*burst), WAIT_S)
