@@ -106,9 +106,10 @@ def modelled_cost_s(job: DecodeJob) -> float:
     bench-decoder measured for tiny.en on these CPUs): window positions, and so the text, are
     then the same on every run, whatever else the machine is doing."""
     greedy = 0.1 + 0.05 * job.audio_s
-    # A beam search costs more the longer the window (bench-beam, beam 5: 2.4x at 2 s, 3.4x at
-    # 5 s, 4.1x at 10 s against greedy).
-    extra = (job.request.options.beam_size - 1) * (0.3 + 0.05 * job.audio_s)
+    # A beam search costs more the longer the window (bench-beam, beam 5 against greedy:
+    # 1.6x at 2 s, 1.9x at 5 s and 10 s, 2.2x at 30 s, its hypotheses stepped as rows of one
+    # numpy step).
+    extra = (job.request.options.beam_size - 1) * (0.17 + 0.005 * job.audio_s)
     return greedy * (1.0 + extra)
 
 

@@ -52,8 +52,9 @@ from bench.corpus import find_speech_dir, load_clip
 from server.config import VadConfig
 from server.core.speakers import SpeakerConfig, SpeakerTracker
 from server.core.vad import SpeechEnded, SpeechStarted, VadSegmenter
+from server.engine.blas import set_numpy_blas_threads
 from server.protocol.formats import SAMPLE_RATE_HZ
-from server.speakers.encoder import SpeakerEncoder, single_threaded_numpy_blas
+from server.speakers.encoder import SpeakerEncoder
 
 Float32Array = npt.NDArray[np.float32]
 RESULTS = Path(__file__).parent / "results"
@@ -480,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     if speech is None:
         sys.stderr.write("shared/speech not found\n")
         return 1
-    single_threaded_numpy_blas()  # as the server does with --speakers
+    set_numpy_blas_threads(1)  # as the server does with --speakers
     encoder = SpeakerEncoder.load()
     pools = reader_pools(speech)
     config = SpeakerConfig(enabled=True)

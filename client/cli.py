@@ -423,10 +423,11 @@ def _speakers_of(path: str, words: Sequence[WordTiming]) -> list[int | None]:
     from server.config import VadConfig
     from server.core.speakers import SpeakerConfig
     from server.decode.file_speakers import label_words
+    from server.engine.blas import set_numpy_blas_threads
     from server.protocol.audio import read_audio_file
-    from server.speakers.encoder import SpeakerEncoder, single_threaded_numpy_blas
+    from server.speakers.encoder import SpeakerEncoder
 
-    single_threaded_numpy_blas()
+    set_numpy_blas_threads(1)
     audio = read_audio_file(path)
     labels = label_words(
         audio,

@@ -95,6 +95,28 @@ def test_beam_search_matches_ctranslate2_token_for_token(
     assert differs == []
 
 
+def test_beam_search_steps_in_numpy_on_the_cpu_and_finds_what_the_mlx_steps_find(
+    engine: Engine, encoded: dict[str, tuple[Any, Any, float]]
+) -> None:
+    # The hypotheses are rows of one numpy step whose caches are reordered after each
+    # selection; the MLX step, which a GPU runs, gathers its caches instead.
+    decoder = engine.decoder
+    step = decoder._cpu_step
+    assert step is not None
+    for clip in PARITY_CLIPS[:2]:
+        _, feats, audio_s = encoded[clip]
+        request = _request(audio_s, beam_size=5)
+        (ours,) = search(decoder, [request], feats)
+        decoder._cpu_step = None
+        try:
+            (reference,) = search(decoder, [request], feats)
+        finally:
+            decoder._cpu_step = step
+        assert ours.sequence == reference.sequence, clip
+        assert ours.avg_logprob == pytest.approx(reference.avg_logprob, abs=1e-3)
+        assert ours.n_steps == reference.n_steps
+
+
 def test_beam_search_keeps_the_results_contract(
     engine: Engine, encoded: dict[str, tuple[Any, Any, float]]
 ) -> None:

@@ -88,6 +88,7 @@ class _Search:
         self.options: DecodeOptions = request.options
         self.prompt = decoder._prompt(request, language)
         self.cross, _, lengths = decoder._cross([feature])
+        self.cross_lengths = lengths
         # The row carries the limits (token cap, last timestamp) and the forced prefix.
         (self.row,) = decoder._rows(
             [replace(request, draft=())], [language], [self.prompt], lengths
@@ -105,6 +106,10 @@ class _Search:
             (mx.repeat(k, self.width, axis=0), mx.repeat(val, self.width, axis=0))
             for k, val in self.cross
         ]
+        cpu_step = decoder._cpu_step
+        if cpu_step is not None:
+            cpu_step.begin(caches, offset, cross_rows, self.cross_lengths * self.width)
+        valid = np.ones((self.width, decoder.dims.n_text_ctx), dtype=np.bool_)
         live = [_Hypothesis((), (), 0.0, 0)] * (self.width if self.sampling else 1)
         finished: list[_Hypothesis] = []
         capped: list[_Hypothesis] = []
@@ -120,18 +125,28 @@ class _Search:
                 break
             if not live:
                 break
-            index = mx.array([h.parent for h in live])
-            caches = [(mx.take(k, index, axis=0), mx.take(val, index, axis=0)) for k, val in caches]
+            parents = [h.parent for h in live]
             n = len(live)
-            logits, caches = decoder._forward(
-                mx.array([[h.tokens[-1]] for h in live], dtype=mx.int32),
-                mx.full((n, 1), offset, dtype=mx.int32),
-                offset,
-                caches,
-                None,
-                [(k[:n], val[:n]) for k, val in cross_rows],
-                None,
-            )
+            tokens = np.array([h.tokens[-1] for h in live], dtype=np.int32)
+            if cpu_step is not None:
+                cpu_step.reorder(parents, offset)
+                logits = cpu_step.forward(
+                    list(range(n)), tokens, np.full(n, offset, dtype=np.int32), offset, valid
+                )
+            else:
+                index = mx.array(parents)
+                caches = [
+                    (mx.take(k, index, axis=0), mx.take(val, index, axis=0)) for k, val in caches
+                ]
+                logits, caches = decoder._forward(
+                    mx.array(tokens[:, None]),
+                    mx.full((n, 1), offset, dtype=mx.int32),
+                    offset,
+                    caches,
+                    None,
+                    [(k[:n], val[:n]) for k, val in cross_rows],
+                    None,
+                )
             live = [replace(h, parent=j) for j, h in enumerate(live)]
             offset += 1
             steps += 1

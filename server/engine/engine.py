@@ -22,7 +22,7 @@ import numpy.typing as npt
 from server.core.engine_api import DecodeRequest, DecodeResult, Window
 from server.core.long_form import check_temperatures, needs_fallback
 from server.engine.beam import search
-from server.engine.blas import set_blas_threads
+from server.engine.blas import set_blas_threads, set_numpy_blas_threads
 from server.engine.decoder import StreamingDecoder, Vocabulary
 from server.engine.features import (
     FRAMES_PER_SECOND,
@@ -138,6 +138,7 @@ class Engine:
     def load(cls, config: EngineConfig | None = None) -> Engine:
         config = config or EngineConfig()
         set_blas_threads(config.blas_threads)
+        set_numpy_blas_threads(config.blas_threads)  # the numpy token step's products
         loaded = load_model(config.model, dtype=config.dtype)
         logger.info(
             "loaded %s (%s) from %s in %.2f s",

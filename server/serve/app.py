@@ -87,12 +87,10 @@ class WhisperwireServer:
         self.pipeline = Pipeline(pipeline, metrics=self.metrics)
         self.streaming = streaming or StreamingConfig()
         if self.streaming.speakers.enabled:
-            from server.speakers.encoder import (  # numpy only; 0.1 s to load
-                SpeakerEncoder,
-                single_threaded_numpy_blas,
-            )
+            from server.engine.blas import set_numpy_blas_threads
+            from server.speakers.encoder import SpeakerEncoder  # numpy only; 0.1 s to load
 
-            single_threaded_numpy_blas()
+            set_numpy_blas_threads(1)
             self.pipeline.speakers = SpeakerEncoder.load()
         self.vad = vad or VadConfig()
         self._load_engine = load_engine

@@ -22,11 +22,9 @@ window's volume the same way (see ``embed_windows``).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
@@ -170,35 +168,6 @@ def partial_slices(n_samples: int, rate_hz: float = 1.3, min_coverage: float = 0
     if coverage < min_coverage and len(slices) > 1:
         slices.pop()
     return slices
-
-
-def single_threaded_numpy_blas() -> bool:
-    """Make numpy's own OpenBLAS (the ``scipy-openblas`` copy in ``numpy.libs``, not the one
-    MLX is given) use one thread; False when it cannot be found.
-
-    The encoder's step is a (batch, 256) x (256, 1024) product, 480 of them a window. With
-    numpy's default of a thread per core, its workers spin for each one: on our shared 2-core
-    machines a window took 24-56 ms and four windows 170-720 ms, against 12 and 42 ms on one
-    thread (the same spinning slowed decoding 6-8x, ``server.engine.blas``)."""
-    libs = Path(np.__file__).resolve().parent.parent / "numpy.libs"
-    for lib in sorted(libs.glob("libscipy_openblas*.so*")) + sorted(libs.glob("libopenblas*.so*")):
-        try:
-            handle = ctypes.CDLL(str(lib))
-        except OSError:
-            continue
-        for name in (
-            "scipy_openblas_set_num_threads64_",
-            "scipy_openblas_set_num_threads",
-            "openblas_set_num_threads64_",
-            "openblas_set_num_threads",
-        ):
-            setter = getattr(handle, name, None)
-            if setter is not None:
-                setter(ctypes.c_int(1))
-                logger.info("numpy's OpenBLAS (%s) set to one thread", lib.name)
-                return True
-    logger.warning("numpy's OpenBLAS was not found: the speaker encoder may run slowly")
-    return False
 
 
 def _sigmoid(x: Float32Array) -> Float32Array:
