@@ -570,11 +570,21 @@ async def test_live_captions_in_a_terminal_flow_and_redraw_the_partial_in_place(
                 rows = await pane.wait_for(shown.matches, timeout_s=2.0)
                 assert shown.matches(rows), (i, message, rows)
             renderer.close()
-        finals = sum(isinstance(m, FinalMessage) and bool(m.text.strip()) for m in messages)
+        finals = [
+            m.text.split() for m in messages if isinstance(m, FinalMessage) and m.text.strip()
+        ]
         rows = await pane.wait_for(shown.matches, timeout_s=2.0)
         assert shown.matches(rows), rows
-        # Flowing: the dozen finals fill a few rows, not a row each.
-        assert finals >= 6 and len(rows) <= 6, rows
+        # Flowing: a final goes on in the row where the one before it ended, so some row holds
+        # words of two finals (how many finals a stream gets depends on the machine's speed).
+        owner = [k for k, words in enumerate(finals) for _ in words]
+        at = 0
+        shared = 0
+        for row in rows:
+            n = len(row.split())
+            shared += len(set(owner[at : at + n])) > 1
+            at += n
+        assert len(finals) >= 3 and shared >= 1 and len(rows) <= 6, (finals, rows)
     finally:
         pane.close()
 
