@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # carry more than two workers. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 3
 
-.PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-beam bench-streaming bench-capacity bench-speakers bench-uploads bench-vocabulary clean
+.PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-gpu bench-beam bench-streaming bench-capacity bench-speakers bench-uploads bench-vocabulary clean
 .PHONY: peer bench-latency bench-accuracy tmux
 
 install: $(STAMP)
@@ -68,6 +68,10 @@ bench-engine: $(STAMP)
 
 bench-decoder: $(STAMP)
 	$(PY) -m bench.decoder
+
+# The engine in its device's dtype (float16 on a GPU: install with the cuda extra first).
+bench-gpu: $(STAMP)
+	$(PY) -m bench.gpu $(BENCH_GPU_ARGS)
 
 # What a beam-searched closing decode and an offline beam window cost against greedy ones.
 bench-beam: $(STAMP)

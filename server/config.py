@@ -118,6 +118,15 @@ class StreamingConfig:
     # Beam width of an utterance's closing decode in "utterance" finals, while every stream
     # has a decode lane (under load it is greedy, as every closing decode is).
     utterance_beam_size: int = 5
+    # In "utterance" finals, a phrase ends at the last pause (silence covering
+    # ``speech_pad_ms`` that speech went on after) once the window before it holds this much
+    # audio: the speculative closing decode up to that pause (run late if a decode was in
+    # flight while it lasted) gives the phrase's final words, and the utterance goes on in a
+    # new window with them as its prompt. Off (0) by default: the words after each seam
+    # lose their audio context, which on test-other cost 2-6 errors in 895 words for final
+    # p95 6.3 -> 3.2 s on long recordings (bench/README.md, "Phrases"). Off, an utterance's
+    # words become final only at the endpoint (or past half the window cap, word by word).
+    utterance_phrase_s: float = 0.0
     # One binary audio frame; larger gets an error and 1009. The server's WebSocket frame
     # limit is derived from it, so this is the only place the limit is set.
     max_frame_bytes: int = 1 << 20
@@ -153,6 +162,11 @@ class StreamingConfig:
         if not 1 <= self.utterance_beam_size <= 16:
             raise ValueError(
                 f"utterance_beam_size must be in [1, 16]; got {self.utterance_beam_size}"
+            )
+        if not 0 <= self.utterance_phrase_s <= UTTERANCE_WINDOW_S:
+            raise ValueError(
+                f"utterance_phrase_s must be in [0, {UTTERANCE_WINDOW_S:g}]; "
+                f"got {self.utterance_phrase_s}"
             )
         if self.finals not in FINALS:
             raise ValueError(f"finals must be one of {', '.join(FINALS)}; got {self.finals!r}")

@@ -76,6 +76,20 @@ def test_the_speculative_closing_decode_is_on_unless_turned_off() -> None:
     assert parser.parse_args(["--no-speculative-closing"]).speculative_closing is False
 
 
+def test_utterance_phrases_have_a_flag_and_are_checked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from server.config import StreamingConfig
+
+    parser = build_parser()
+    assert parser.parse_args([]).utterance_phrase_s == StreamingConfig().utterance_phrase_s
+    assert parser.parse_args(["--utterance-phrase-s", "0"]).utterance_phrase_s == 0.0
+    with pytest.raises(SystemExit) as exited:
+        main(["--utterance-phrase-s", "31"])
+    assert exited.value.code == 2
+    assert "utterance_phrase_s must be in [0, 30]" in capsys.readouterr().err
+
+
 def test_admission_has_a_flag_of_its_own_and_is_checked(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

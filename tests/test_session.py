@@ -892,14 +892,28 @@ def test_utterance_finals_come_together_from_one_decode_of_the_whole_utterance(
     assert _open_finals(log)
 
 
+def _utterance_finals_of_long_speech(
+    speech_dir: Path, phrase_s: float
+) -> list[tuple[int, SessionEvent | DecodeJob]]:
+    """70 s of LJ Speech read aloud (few pauses long enough to end an utterance) in 0.1 s
+    frames, through a session with ``finals: "utterance"`` and ``utterance_phrase_s``."""
+    session = Session("long", streaming=StreamingConfig(utterance_phrase_s=phrase_s))
+    session.configure(StreamSettings(finals="utterance"))
+    clip = load_clip(speech_dir / LONG_SPEECH_CLIP)[: 70 * SAMPLE_RATE_HZ]
+    return _drive_logging_jobs(session, ScriptedEngine(), _frames_of(clip, chunk_s=0.1))
+
+
+def _longest_wait_for_final_s(log: list[tuple[int, SessionEvent | DecodeJob]]) -> float:
+    """The longest a word waited for its final, in stream audio (0.1 s frames fed)."""
+    return max(fed * 0.1 - w.end for fed, e in log if isinstance(e, FinalMessage) for w in e.words)
+
+
 def test_utterance_finals_go_word_by_word_past_half_the_window(speech_dir: Path) -> None:
     """An utterance longer than half of ``UTTERANCE_WINDOW_S`` gets finals as it goes, so a
     speaker who never pauses still sees text become final; never from a window shorter
-    than that, and no window longer than the cap."""
-    session = Session("long")
-    session.configure(StreamSettings(finals="utterance"))
-    clip = load_clip(speech_dir / LONG_SPEECH_CLIP)[: 70 * SAMPLE_RATE_HZ]
-    log = _drive_logging_jobs(session, ScriptedEngine(), _frames_of(clip, chunk_s=0.1))
+    than that, and no window longer than the cap. (Phrases off: with them, the pauses in
+    this reading end phrases first.)"""
+    log = _utterance_finals_of_long_speech(speech_dir, 0.0)
     assert max(job.audio_s for _, job in log if isinstance(job, DecodeJob)) <= UTTERANCE_WINDOW_S
     early = _open_finals(log)
     assert early
@@ -911,6 +925,108 @@ def test_utterance_finals_go_word_by_word_past_half_the_window(speech_dir: Path)
         elif any(item is f for f in early):
             assert last_job is not None and not last_job.closing
             assert last_job.audio_s >= UTTERANCE_WINDOW_S / 2
+
+
+PHRASE_CLIPS = (  # 10 s, 3 s and 5 s of one reader, joined by pauses shorter than the endpoint
+    "librispeech_test-clean/1089-134686-0000.wav",
+    "librispeech_test-clean/1089-134686-0001.wav",
+    "librispeech_test-clean/1089-134691-0001.wav",
+)
+PHRASE_S = 8.0  # phrases are off by default; the length bench/README.md measured them at
+
+
+def _phrases(speech_dir: Path, phrase_s: float) -> list[tuple[int, SessionEvent | DecodeJob]]:
+    """``PHRASE_CLIPS`` 0.45 s apart in 0.1 s frames, through a session with ``finals:
+    "utterance"``. The detector hears 0.25-0.35 s of each pause as silence: past the 200 ms
+    pad, short of the 500 ms endpoint, so the clips are one utterance of 19 s."""
+    pause = np.zeros(int(0.45 * SAMPLE_RATE_HZ), dtype=np.float32)
+    parts = [load_clip(speech_dir / f) for f in PHRASE_CLIPS]
+    audio = np.concatenate([parts[0], pause, parts[1], pause, parts[2], pause, pause, pause])
+    session = Session("phrases", streaming=StreamingConfig(utterance_phrase_s=phrase_s))
+    session.configure(StreamSettings(finals="utterance"))
+    return _drive_logging_jobs(session, ScriptedEngine(), _frames_of(audio, chunk_s=0.1))
+
+
+def test_utterance_finals_end_a_long_phrase_at_a_pause_that_speech_goes_on_after(
+    speech_dir: Path,
+) -> None:
+    """Once the window holds ``utterance_phrase_s``, the speculative closing decode of a pause
+    that speech goes on after is that phrase's closing decode: its words become final then,
+    all together, and the utterance goes on in a new window. No turn ends there (no
+    speech_ended, no Settled), no audio is lost, and the first words of a long utterance
+    wait less for their final than with phrases off."""
+    phrase_s = PHRASE_S
+    log = _phrases(speech_dir, phrase_s)
+    items = [item for _, item in log]
+    assert sum(isinstance(e, SpeechEndedMessage) for e in items) == 1
+    early = _open_finals(log)
+    assert early
+    last_job: DecodeJob | None = None
+    for item in items:
+        if isinstance(item, DecodeJob):
+            last_job = item
+        elif any(item is f for f in early):
+            # From the speculative closing decode of a window of the phrase's length at least.
+            assert last_job is not None and last_job.speculative and last_job.closing
+            assert last_job.audio_s >= phrase_s
+            assert item.end <= last_job.start_s + last_job.audio_s
+    settled = [i for i, e in enumerate(items) if isinstance(e, Settled)]
+    ended = next(i for i, e in enumerate(items) if isinstance(e, SpeechEndedMessage))
+    assert settled and min(settled) > ended  # the turn ends at the endpoint only
+    starts = [round(w.start, 2) for e in items if isinstance(e, FinalMessage) for w in e.words]
+    assert starts == sorted(set(starts))  # no word twice
+    done = [e for e in items if isinstance(e, DoneMessage)]
+    _check_accounting(done[0])
+
+    without = _phrases(speech_dir, 0.0)  # the first words wait for the 15 s fallback
+    assert _longest_wait_for_final_s(log) < _longest_wait_for_final_s(without) - 2.0
+
+
+def test_a_phrase_ends_at_a_pause_that_went_by_while_a_decode_was_in_flight(
+    speech_dir: Path,
+) -> None:
+    """Decodes that take 0.9 s of stream time each (a long window on a busy CPU) are in
+    flight through most short pauses (here through the one at 10.7 s, which ends the first
+    phrase); the phrase still ends there, decoded after speech came back."""
+    pause = np.zeros(int(0.45 * SAMPLE_RATE_HZ), dtype=np.float32)
+    parts = [load_clip(speech_dir / f) for f in PHRASE_CLIPS]
+    audio = np.concatenate([parts[0], pause, parts[1], pause, parts[2], pause, pause, pause])
+    session = Session("slow", streaming=StreamingConfig(utterance_phrase_s=PHRASE_S))
+    session.configure(StreamSettings(finals="utterance"))
+    engine = ScriptedEngine()
+    log: list[tuple[int, SessionEvent | DecodeJob]] = []
+    in_flight: tuple[int, DecodeJob] | None = None
+    for fed, frame in enumerate([*_frames_of(audio, chunk_s=0.1), None], start=1):
+        if frame is None:
+            session.end()
+        else:
+            session.feed_audio(frame)
+        while True:
+            if in_flight is not None and (frame is None or fed - in_flight[0] >= 9):
+                session.receive_result(in_flight[1], _decode_now(engine, in_flight[1]))
+                in_flight = None
+            log.extend((fed, e) for e in session.events_to_send())
+            if in_flight is None and not session.busy:
+                job = session.next_job()
+                if job is not None:
+                    log.append((fed, job))
+                    in_flight = (fed, job)
+                    continue
+            if frame is not None or in_flight is None:
+                break
+    late = [
+        (fed, job)
+        for fed, job in log
+        if isinstance(job, DecodeJob)
+        and job.speculative
+        and fed * 0.1 > job.end_sample / 16e3 + 0.3
+    ]
+    assert late  # decoded to a pause well after it was over
+    early = _open_finals(log)
+    assert early
+    assert any(f.end <= job.end_sample / SAMPLE_RATE_HZ for _, job in late for f in early)
+    done = [e for _, e in log if isinstance(e, DoneMessage)]
+    _check_accounting(done[0])
 
 
 def test_finals_may_be_chosen_per_stream_and_are_checked() -> None:

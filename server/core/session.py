@@ -572,6 +572,8 @@ class Session:
         final p95 2.00 -> 1.67-1.76 s and 3.36 -> 2.67 s, end of speech to final p50
         0.84-1.12 -> 0.60-0.67 s at 4)."""
         end = self._vad.tentative_end
+        if end is None or end == utt.speculated_to:
+            end = self._phrase_end(utt, crowded)
         if (
             end is None
             or not self.streaming.speculative_closing
@@ -584,6 +586,33 @@ class Session:
         ):
             return None
         return end
+
+    def _phrase_end(self, utt: _Utterance, crowded: bool) -> int | None:
+        """In "utterance" finals, the last pause the speech of ``utt`` went on after that
+        ends a phrase (``utterance_phrase_s`` of window before it) and was not decoded to yet.
+        A pause is often over before the speculative decode of it could start: a decode of
+        the growing window is in flight while it lasts."""
+        c = self.streaming
+        if c.finals != "utterance" or c.utterance_phrase_s <= 0:
+            return None
+        first = utt.window_start + round(c.utterance_phrase_s * SAMPLE_RATE_HZ)
+        last = utt.window_start + round(self._window_cap_s(crowded) * SAMPLE_RATE_HZ)
+        pauses = self._vad.pause_ends(max(first - 1, utt.speculated_to), last)
+        return pauses[-1] if pauses else None
+
+    def _ends_phrase(self, utt: _Utterance, job: DecodeJob) -> bool:
+        """Whether speech that went on after ``job``'s speculative closing decode of the open
+        utterance ends a phrase there (``StreamingConfig.utterance_phrase_s``): the decode
+        heard the window whole up to a pause, as the closing decode would have."""
+        phrase_s = self.streaming.utterance_phrase_s
+        return (
+            self.streaming.finals == "utterance"
+            and phrase_s > 0
+            and utt.end is None
+            and len(self._utterances) == 1
+            and job.start_s == utt.window_start / SAMPLE_RATE_HZ
+            and job.audio_s >= phrase_s
+        )
 
     def _release_speculation(self, utt: _Utterance) -> None:
         """Fold in the held speculative result: the closing decode when the utterance ended
@@ -700,7 +729,11 @@ class Session:
             if utt.end is None and self._vad.tentative_end == job.end_sample:
                 utt.speculation = (job, result)  # the endpoint may still come there
                 return
-            job = dataclasses.replace(job, closing=False, speculative=False)
+            if self._ends_phrase(utt, job):
+                self._close_open_utterance(job.end_sample, reopen=True)
+                overtaken = False
+            else:
+                job = dataclasses.replace(job, closing=False, speculative=False)
         utt.heard_to = max(utt.heard_to, job.end_sample)
         if utt.language is None and not self._settle_language(utt, job, result):
             self._maybe_done()

@@ -4,6 +4,7 @@
                        [--quantize-bits 4|8] [--min-context-s 3] [--max-batch-size 8]
                        [--batch-wait-ms 5] [--decode-lanes auto] [--min-right-context-s 0.8]
                        [--closing-beam-size 5] [--finals words|utterance]
+                       [--utterance-phrase-s 0]
                        [--max-sessions 32] [--no-capacity-limit] [--capacity N]
                        [--capacity-hop-s 1] [--capacity-utilization 0.8]
                        [--admission-utilization 0.7]
@@ -141,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="when words become final: 'words' one by one as decodes agree (about 2 s after "
         "each), 'utterance' an utterance's together when it ends, from a beam search over it "
         "(offline beam-5 accuracy, later finals); a v1 stream may choose (default %(default)s)",
+    )
+    streaming.add_argument(
+        "--utterance-phrase-s",
+        type=float,
+        default=StreamingConfig().utterance_phrase_s,
+        help="with 'utterance' finals, a window this long ends at its last pause that speech "
+        "went on after, and its words become final there (sooner, a little less accurate); "
+        "0: only at the end of speech (default %(default)s)",
     )
     streaming.add_argument(
         "--speculative-closing",
@@ -319,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             closing_beam_size=args.closing_beam_size,
             speculative_closing=args.speculative_closing,
             finals=args.finals,
+            utterance_phrase_s=args.utterance_phrase_s,
             commit=CommitConfig(min_right_context_s=args.min_right_context_s),
             speakers=SpeakerConfig(enabled=args.speakers),
         )
