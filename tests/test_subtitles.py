@@ -36,6 +36,7 @@ from client.subtitles import (
     words_from_final,
     words_from_pieces,
 )
+from server.protocol.formats import SAMPLE_RATE_HZ
 from server.protocol.messages import FinalMessage, ServerMessage, WordInfo
 from tests.helpers import two_readers, write_wav
 from tests.subtitle_checks import ReadCue, read_srt, read_vtt, rule_violations
@@ -437,7 +438,7 @@ async def test_live_subtitles_of_two_readers_carry_their_voices(
     talk = two_readers(speech_dir)
     path = tmp_path / "two_readers.wav"
     write_wav(path, talk.audio)
-    messages = await stream_messages(speakers_server_url, path)
+    messages = await stream_messages(speakers_server_url, path, len(talk.audio) / SAMPLE_RATE_HZ)
     files = {}
     for fmt in ("srt", "vtt"):
         out = io.StringIO()
@@ -461,10 +462,16 @@ async def test_live_subtitles_of_two_readers_carry_their_voices(
 # --------------------------------------------------------------------------- real speech
 
 
-async def stream_messages(server_url: str, path: Path) -> list[ServerMessage]:
+async def stream_messages(server_url: str, path: Path, audio_s: float) -> list[ServerMessage]:
+    """All of ``path`` sent at once: ``done`` comes once the server has decoded it, which on a
+    slow, busy 2-core machine takes about as long as the audio (the bound only catches a hang)."""
     messages: list[ServerMessage] = []
     await stream_audio(
-        server_url + "/v1/stream", FileSource(path), pace=0, on_message=messages.append
+        server_url + "/v1/stream",
+        FileSource(path),
+        pace=0,
+        on_message=messages.append,
+        done_timeout_s=max(60.0, 2.0 * audio_s),
     )
     return messages
 
@@ -477,7 +484,7 @@ async def test_live_subtitles_of_the_long_recordings_follow_every_rule(
     rows = [r for r in read_manifest(speech_dir / "manifest_long.tsv") if r.file in LONG_READ]
     assert len(rows) == len(LONG_READ)
     for row in rows:
-        messages = await stream_messages(server_url, speech_dir / row.file)
+        messages = await stream_messages(server_url, speech_dir / row.file, row.seconds)
         words = [w for m in messages if isinstance(m, FinalMessage) for w in words_from_final(m)]
         assert len(words) > 200, row.file
         files = {}
