@@ -37,6 +37,7 @@ from bench.capacity import (
     Contender,
     SweepConfig,
     build_streams,
+    measure_window_2s_ms,
     quiet_cut,
     run_count,
     window_2s_ms_p50,
@@ -158,11 +159,12 @@ async def run(config: UploadConfig) -> dict[str, Any]:
     engine.warmup()
     lanes = default_decode_lanes()  # the server's --decode-lanes auto
     offline = {beam: offline_text(engine, piece, beam, lanes) for beam in config.beams}
+    measured_ms = measure_window_2s_ms(engine)
     del engine
     results: dict[str, Any] = {"config": asdict(config), "loadavg_start": os.getloadavg()}
     results["runs"] = [await one_beam(b, config, piece, long, offline[b]) for b in config.beams]
     results["loadavg_end"] = os.getloadavg()
-    window_ms, source = window_2s_ms_p50(None)
+    window_ms, source = window_2s_ms_p50(measured_ms)
     results["window_2s_ms_p50"] = window_ms
     results["window_2s_source"] = source
     return results
