@@ -6,9 +6,12 @@ Serving itself is tested end to end in tests/test_app.py (SIGTERM, a model that 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 
+from server.config import StreamingConfig
+from server.core.policy import CommitConfig
 from server.serve.cli import build_parser, main
 
 
@@ -38,18 +41,45 @@ def test_auto_is_one_lane_per_core_on_the_cpu() -> None:
     assert default_decode_lanes() == min(len(os.sched_getaffinity(0)), AUTO_LANES_MAX)
 
 
-def test_the_commit_policy_right_context_is_one_flag_away(
+@pytest.mark.parametrize(
+    ("flag", "attr", "default", "good", "bad", "error"),
+    [
+        # the commit policy's right context is one flag away
+        (
+            "--min-right-context-s",
+            "min_right_context_s",
+            lambda: CommitConfig().min_right_context_s,
+            "1.0",
+            "-1",
+            "min_right_context_s",
+        ),
+        # utterance phrases have a flag, checked against the utterance window
+        (
+            "--utterance-phrase-s",
+            "utterance_phrase_s",
+            lambda: StreamingConfig().utterance_phrase_s,
+            "0",
+            "31",
+            "utterance_phrase_s must be in [0, 30]",
+        ),
+    ],
+)
+def test_a_streaming_flag_defaults_to_its_config_and_is_checked(
     capsys: pytest.CaptureFixture[str],
+    flag: str,
+    attr: str,
+    default: Callable[[], float],
+    good: str,
+    bad: str,
+    error: str,
 ) -> None:
-    from server.core.policy import CommitConfig
-
     parser = build_parser()
-    assert parser.parse_args([]).min_right_context_s == CommitConfig().min_right_context_s
-    assert parser.parse_args(["--min-right-context-s", "1.0"]).min_right_context_s == 1.0
+    assert getattr(parser.parse_args([]), attr) == default()
+    assert getattr(parser.parse_args([flag, good]), attr) == float(good)
     with pytest.raises(SystemExit) as exited:
-        main(["--min-right-context-s", "-1"])
+        main([flag, bad])
     assert exited.value.code == 2
-    assert "min_right_context_s" in capsys.readouterr().err
+    assert error in capsys.readouterr().err
 
 
 def test_drain_s_defaults_to_the_config_and_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,25 +99,9 @@ def test_drain_s_defaults_to_the_config_and_is_checked(capsys: pytest.CaptureFix
 
 
 def test_the_speculative_closing_decode_is_on_unless_turned_off() -> None:
-    from server.config import StreamingConfig
-
     parser = build_parser()
     assert parser.parse_args([]).speculative_closing is StreamingConfig().speculative_closing
     assert parser.parse_args(["--no-speculative-closing"]).speculative_closing is False
-
-
-def test_utterance_phrases_have_a_flag_and_are_checked(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    from server.config import StreamingConfig
-
-    parser = build_parser()
-    assert parser.parse_args([]).utterance_phrase_s == StreamingConfig().utterance_phrase_s
-    assert parser.parse_args(["--utterance-phrase-s", "0"]).utterance_phrase_s == 0.0
-    with pytest.raises(SystemExit) as exited:
-        main(["--utterance-phrase-s", "31"])
-    assert exited.value.code == 2
-    assert "utterance_phrase_s must be in [0, 30]" in capsys.readouterr().err
 
 
 def test_admission_has_a_flag_of_its_own_and_is_checked(

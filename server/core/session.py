@@ -592,10 +592,9 @@ class Session:
         ends a phrase (``utterance_phrase_s`` of window before it) and was not decoded to yet.
         A pause is often over before the speculative decode of it could start: a decode of
         the growing window is in flight while it lasts."""
-        c = self.streaming
-        if c.finals != "utterance" or c.utterance_phrase_s <= 0:
+        if not self._phrases_on:
             return None
-        first = utt.window_start + round(c.utterance_phrase_s * SAMPLE_RATE_HZ)
+        first = utt.window_start + round(self.streaming.utterance_phrase_s * SAMPLE_RATE_HZ)
         last = utt.window_start + round(self._window_cap_s(crowded) * SAMPLE_RATE_HZ)
         pauses = self._vad.pause_ends(max(first - 1, utt.speculated_to), last)
         return pauses[-1] if pauses else None
@@ -604,15 +603,17 @@ class Session:
         """Whether speech that went on after ``job``'s speculative closing decode of the open
         utterance ends a phrase there (``StreamingConfig.utterance_phrase_s``): the decode
         heard the window whole up to a pause, as the closing decode would have."""
-        phrase_s = self.streaming.utterance_phrase_s
         return (
-            self.streaming.finals == "utterance"
-            and phrase_s > 0
+            self._phrases_on
             and utt.end is None
             and len(self._utterances) == 1
             and job.start_s == utt.window_start / SAMPLE_RATE_HZ
-            and job.audio_s >= phrase_s
+            and job.audio_s >= self.streaming.utterance_phrase_s
         )
+
+    @property
+    def _phrases_on(self) -> bool:
+        return self.streaming.finals == "utterance" and self.streaming.utterance_phrase_s > 0
 
     def _release_speculation(self, utt: _Utterance) -> None:
         """Fold in the held speculative result: the closing decode when the utterance ended
