@@ -434,7 +434,7 @@ async def test_query_parameters_configure_the_session(server_url: str) -> None:
         encoding="pcm_f32le",
         language="en",
         end_of_speech_ms="300",
-        finals="utterance",
+        finals="words",
     )
     async with connect(url) as ws:
         ready = json.loads(await ws.recv())
@@ -444,10 +444,10 @@ async def test_query_parameters_configure_the_session(server_url: str) -> None:
         "en",
     )
     assert ready["end_of_speech_ms"] == 300 and ready["task"] == "transcribe"
-    assert ready["finals"] == "utterance"
+    assert ready["finals"] == "words"
     async with connect(stream_url(server_url)) as ws:
         ready = json.loads(await ws.recv())
-    assert ready["end_of_speech_ms"] == 500 and ready["finals"] == "words"  # the server's
+    assert ready["end_of_speech_ms"] == 500 and ready["finals"] == "utterance"  # the server's
 
 
 # --------------------------------------------------------------------------- HTTP

@@ -104,6 +104,22 @@ def test_the_speculative_closing_decode_is_on_unless_turned_off() -> None:
     assert parser.parse_args(["--no-speculative-closing"]).speculative_closing is False
 
 
+def test_finals_default_per_utterance_for_v1_and_word_by_word_for_voice_agents() -> None:
+    parser = build_parser()
+    defaults = parser.parse_args([])
+    assert (defaults.finals, defaults.agent_finals) == ("utterance", "words")
+    assert (defaults.finals, defaults.agent_finals) == (
+        StreamingConfig().finals,
+        StreamingConfig().agent_finals,
+    )
+    chosen = parser.parse_args(["--finals", "words", "--agent-finals", "utterance"])
+    assert (chosen.finals, chosen.agent_finals) == ("words", "utterance")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--agent-finals", "sentence"])
+    with pytest.raises(ValueError, match="agent_finals must be one of"):
+        StreamingConfig(agent_finals="sentence")
+
+
 def test_admission_has_a_flag_of_its_own_and_is_checked(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

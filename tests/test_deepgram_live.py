@@ -325,6 +325,17 @@ def test_diarize_is_the_streams_speaker_option_and_needs_a_server_with_speakers(
     assert refused is not None and "--speakers" in refused
 
 
+@pytest.mark.parametrize("agent_finals", ["words", "utterance"])
+def test_a_stream_takes_the_servers_voice_agent_finals(agent_finals: str) -> None:
+    """An agent answers when a turn's final arrives: these streams take the server's
+    ``agent_finals`` (word by word unless it chose), not the v1 streams' finals."""
+    server = StreamingConfig(finals="utterance", agent_finals=agent_finals)
+    settings = SessionSettings("s", server, VadConfig(), multilingual=False, model="m")
+    request = Request(f"{LISTEN_PATH}?{LINEAR16}", Headers())
+    session = DeepgramAdapter().open_session(settings, request)
+    assert session.streaming.finals == agent_finals
+
+
 def test_words_carry_their_speaker_as_deepgram_renders_it() -> None:
     adapter = DeepgramAdapter()
     on = StreamingConfig(speakers=SpeakerConfig(enabled=True))

@@ -199,7 +199,7 @@ def test_a_session_that_switches_language_follows_it(base_engine: Engine, speech
     split = german.shape[0] / SAMPLE_RATE_HZ
     german_text = " ".join(f.text for f in result.finals if f.end <= split)
     english_text = " ".join(f.text for f in result.finals if f.start > split)
-    assert "Portal" in german_text and "Raum" in german_text, german_text
+    assert "portal" in german_text.lower() and "raum" in german_text.lower(), german_text
     assert (
         wer(
             "HE BEGAN A CONFUSED COMPLAINT AGAINST THE WIZARD WHO HAD VANISHED BEHIND "

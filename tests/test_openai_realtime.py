@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -600,10 +601,11 @@ async def test_a_full_server_refuses_the_sdks_connect_with_503_and_retry_after()
         assert server.metrics.sessions_refused.value("capacity") == 1
 
 
-def test_sessions_label_no_speakers_on_a_server_with_speakers() -> None:
+def test_sessions_label_no_speakers_and_take_the_agent_finals() -> None:
     """OpenAI's transcription events have no speaker field: a server started with
     ``--speakers`` (whose v1 streams are labelled by default) labels none of these streams,
-    so no final waits for labels that would never be sent."""
+    so no final waits for labels that would never be sent. Their finals are the server's
+    ``agent_finals``, not the v1 streams'."""
     from websockets.datastructures import Headers
     from websockets.http11 import Request
 
@@ -619,3 +621,8 @@ def test_sessions_label_no_speakers_on_a_server_with_speakers() -> None:
     request = Request(f"{REALTIME_PATH}?intent=transcription", Headers())
     session = RealtimeAdapter().open_session(settings, request)
     assert not session.labels_speakers and session.settings.speakers is False
+    # A turn's transcription completes when its final arrives: the server's agent_finals.
+    assert session.streaming.finals == on.agent_finals == "words"
+    utterance = dataclasses.replace(on, agent_finals="utterance")
+    settings = SessionSettings("s", utterance, VadConfig(), multilingual=False, model="m")
+    assert RealtimeAdapter().open_session(settings, request).streaming.finals == "utterance"

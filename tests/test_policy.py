@@ -150,6 +150,18 @@ def test_closing_decode_drops_doubtful_words_placed_at_the_end_of_the_audio() ->
     assert "".join(w.text for w in committed) == " form letterpress,"
 
 
+def test_closing_decode_drops_confident_words_decoded_on_from_a_doubtful_one_at_the_end() -> None:
+    """LJ001-0006 per utterance: the beam search went on past the clip's last word, and
+    only the first word it made up was doubtful."""
+    policy = CommitPolicy(CommitConfig(past_audio_margin_s=0.06, past_audio_min_probability=0.5))
+    tail = words(("fine", 4.7, 5.16), ("typography", 5.16, 5.68))
+    tail.append(Word(",", 5.68, 5.68, 0.58))
+    made_up = (("that", 0.19), ("has", 0.68), ("an", 0.93), ("example", 0.86))
+    tail += [Word(f" {t}", 5.68, 5.68, p) for t, p in made_up]
+    committed = policy.update(tail, window_start_s=0.0, window_end_s=5.684, closing=True)
+    assert "".join(w.text for w in committed) == " fine typography,"
+
+
 def test_closing_decode_keeps_a_confident_last_word_squeezed_to_the_end() -> None:
     policy = CommitPolicy(CommitConfig(past_audio_margin_s=0.06, past_audio_min_probability=0.5))
     tail = [

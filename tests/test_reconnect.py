@@ -196,7 +196,12 @@ async def test_a_dropped_connection_resends_the_audio_since_the_last_final(
     async with scripted() as server:
         streaming = asyncio.create_task(
             stream_with_reconnect(
-                server.url + "/v1/stream", source, pace=0.25, retry=FAST, on_message=on_message
+                server.url + "/v1/stream",
+                source,
+                pace=0.25,
+                retry=FAST,
+                on_message=on_message,
+                finals="words",  # finals while the clip's one utterance goes on
             )
         )
         await asyncio.wait_for(got_final.wait(), WAIT_S)

@@ -554,6 +554,7 @@ async def test_live_captions_in_a_terminal_flow_and_redraw_the_partial_in_place(
         FileSource(speech_dir / JFK),
         pace=1.0,
         on_message=messages.append,
+        finals="words",  # several finals within an utterance, each flowing on from the last
     )
     assert sum(isinstance(m, PartialMessage) for m in messages) >= 5, messages
     pane = TmuxPane(tmux_socket, ["sleep", "600"], width=48, height=12)
@@ -652,7 +653,8 @@ async def test_the_stream_command_redraws_at_the_new_width_when_the_terminal_shr
     """SIGWINCH: the window shrinks from 60 to 36 columns while a partial shows; the
     terminal reflows what is on it, the command redraws its row at the new width, and the
     screen ends with the transcript once, nothing of a partial left over."""
-    command = stream_jfk_command(server_url, speech_dir)
+    # Finals word by word: a partial then goes on in the row of the finals before it.
+    command = stream_jfk_command(server_url, speech_dir, "--finals", "words")
     pane = TmuxPane(
         tmux_socket, command, width=60, height=16, env={"LANG": "C.UTF-8"}, prompt="whisperwire"
     )

@@ -66,6 +66,8 @@ if TYPE_CHECKING:
     from server.engine.engine import Engine
 
 WER_MARGIN = 0.02  # streamed finals may be at most 2 points (absolute) worse than offline
+# Word-by-word finals (``finals: "words"``): the commit policy most tests here exercise.
+WORDS = StreamingConfig(finals="words")
 
 
 def modelled_decode_cost_s(job: DecodeJob) -> float:
@@ -249,26 +251,29 @@ def test_short_clips_stream_as_accurately_as_offline(
 
 
 @pytest.mark.slow
-def test_hard_clips_stream_as_accurately_as_offline(
+def test_hard_clips_with_word_finals_stream_as_accurately_as_offline(
     engine: Engine,
     offline_text: Callable[[Path], str],
     speech_dir: Path,
     manifest: list[ManifestRow],
 ) -> None:
-    """test-other, one clip per reader (``hard_clips``): the speech where committing before
-    the utterance has given enough context costs most. Measured when this was written
-    (min_window_s 4, short speech joined to what follows): streamed 16 errors, offline 20."""
+    """Word-by-word finals on test-other, one clip per reader (``hard_clips``): the speech
+    where committing before the utterance has given enough context costs most. Measured when
+    this was written (min_window_s 4, short speech joined to what follows): streamed 16
+    errors, offline 20."""
     clips = [r.file for r in hard_clips(manifest)]
     assert len(clips) == 4
-    _assert_streams_as_accurately_as_offline(engine, offline_text, speech_dir, manifest, clips)
+    _assert_streams_as_accurately_as_offline(
+        engine, offline_text, speech_dir, manifest, clips, streaming=WORDS
+    )
 
 
 @pytest.mark.slow
 def test_hard_clips_with_utterance_finals_stream_as_accurately_as_offline_beam_search(
     engine: Engine, speech_dir: Path, manifest: list[ManifestRow]
 ) -> None:
-    """``finals: "utterance"`` on the same test-other clips, held against offline beam 5
-    (Whisper's own best decode of each clip heard whole), not greedy decoding."""
+    """Per-utterance finals (the default) on the same test-other clips, held against offline
+    beam 5 (Whisper's own best decode of each clip heard whole), not greedy decoding."""
     from server.engine.offline import transcribe_audio  # loads MLX: only where it is needed
 
     clips = [r.file for r in hard_clips(manifest)]
@@ -429,7 +434,7 @@ def test_a_stream_that_falls_behind_loses_no_audio(speech_dir: Path) -> None:
     engine = ScriptedEngine()
     speech = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
     pcm = pcm_s16le_bytes(speech[: 40 * SAMPLE_RATE_HZ])
-    session = Session("behind")
+    session = Session("behind", streaming=WORDS)
     session.feed_audio(pcm[:12_800])  # 0.4 s: the first decode is dispatched at once
     first = session.next_job()
     assert first is not None
@@ -479,7 +484,7 @@ def _stream_without_end(
 ) -> list[ServerMessage]:
     """Audio in 0.1 s chunks, each decode answered at once; no ``end``, no closing silence
     (no speaker jobs run either)."""
-    session = session or Session("open")
+    session = session or Session("open", streaming=WORDS)
     events: list[ServerMessage] = []
     for chunk in range(0, audio.shape[0], SAMPLE_RATE_HZ // 10):
         session.feed_audio(pcm_s16le_bytes(audio[chunk : chunk + SAMPLE_RATE_HZ // 10]))
@@ -513,7 +518,7 @@ def test_a_stream_without_speaker_labels_never_holds_its_finals(speech_dir: Path
     one on a server without them; one that labels them waits for its speaker jobs (none are
     run here)."""
     audio = load_clip(speech_dir / OPEN_SPEECH_CLIP)[: int(OPEN_SPEECH_S * SAMPLE_RATE_HZ)]
-    labelling = StreamingConfig(speakers=SpeakerConfig(enabled=True))
+    labelling = StreamingConfig(finals="words", speakers=SpeakerConfig(enabled=True))
     off = Session("off", streaming=labelling)
     off.configure(StreamSettings(speakers=False))
     events = _stream_without_end(TwoWordsEngine(), audio, off)
@@ -592,7 +597,7 @@ def test_a_cut_hears_its_last_committed_words_again_as_the_prefix(speech_dir: Pa
     prefix: a cut at the last word's estimated end can land inside the next word and lose
     it. The carried words are final already and are not sent again."""
     engine = ScriptedEngine()
-    config = StreamingConfig(max_window_s=4.0, clause_cut_s=4.0)
+    config = StreamingConfig(finals="words", max_window_s=4.0, clause_cut_s=4.0)
     session = Session("cuts", streaming=config)
     clip = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
     pcm = pcm_s16le_bytes(clip[: 20 * SAMPLE_RATE_HZ])
@@ -681,7 +686,7 @@ def test_speech_skipped_after_the_carried_words_is_decoded_again_without_them(
     window's first words and the decoder goes on past them. That window is decoded again
     without the prefix, and the decode that heard more is kept (without the prefix, Whisper
     can start a long window sentences in): every word comes out once, none is skipped."""
-    config = StreamingConfig(max_window_s=4.0, clause_cut_s=4.0)
+    config = StreamingConfig(finals="words", max_window_s=4.0, clause_cut_s=4.0)
     session = Session("skips", streaming=config)
     clip = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
     pcm = pcm_s16le_bytes(clip[: 20 * SAMPLE_RATE_HZ])
@@ -710,7 +715,7 @@ def test_speech_skipped_after_the_carried_words_is_decoded_again_without_them(
 @pytest.mark.parametrize("crowded", [False, True])
 def test_a_crowded_server_caps_the_window(speech_dir: Path, crowded: bool) -> None:
     engine = ScriptedEngine()
-    config = StreamingConfig()
+    config = WORDS
     session = Session("crowded", streaming=config)
     clip = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
     pcm = pcm_s16le_bytes(clip[: 40 * SAMPLE_RATE_HZ])
@@ -777,7 +782,7 @@ def test_a_refreshed_job_stays_within_the_window_cap_and_closes_with_its_segment
     speech_dir: Path,
 ) -> None:
     engine = ScriptedEngine()
-    config = StreamingConfig()
+    config = WORDS
     clip = load_clip(speech_dir / LONG_SPEECH_CLIP)
     session = Session("capped", streaming=config)
     start = 9 * SAMPLE_RATE_HZ
@@ -792,7 +797,7 @@ def test_a_refreshed_job_stays_within_the_window_cap_and_closes_with_its_segment
 
     # Speech that ends while its job waits: the refreshed job is the segment's closing decode
     # (a beam-searched one, where the config asks for it).
-    config = StreamingConfig(closing_beam_size=5)
+    config = StreamingConfig(finals="words", closing_beam_size=5)
     session = Session("ending", streaming=config)
     speech = load_clip(speech_dir / SPEECH_CLIP)
     session.feed_audio(pcm_s16le_bytes(speech[:SAMPLE_RATE_HZ]))
@@ -821,7 +826,7 @@ def test_a_closing_decode_is_beam_searched_while_every_stream_has_a_lane(
     """The decode that commits what is left of a window searches with a beam; under load
     (more streams than lanes) it stays greedy, and so does every other decode."""
     engine = ScriptedEngine()
-    config = StreamingConfig(closing_beam_size=5)
+    config = StreamingConfig(finals="words", closing_beam_size=5)
     session = Session("beam", streaming=config)
     speech = load_clip(speech_dir / SPEECH_CLIP)
     pcm = pcm_s16le_bytes(np.concatenate([speech, np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)]))
@@ -887,7 +892,7 @@ def test_utterance_finals_come_together_from_one_decode_of_the_whole_utterance(
     assert all(not job.request.prefix for job in closing)
     assert {round(job.start_s, 3) for job in closing} == {round(s, 3) for s in starts}
 
-    words = Session("words")  # the default: words final while the utterance goes on
+    words = Session("words", streaming=WORDS)  # words final while the utterance goes on
     log = _drive_logging_jobs(words, ScriptedEngine(), _two_utterances(speech_dir), crowded=crowded)
     assert _open_finals(log)
 
@@ -1044,14 +1049,14 @@ def test_a_small_window_cap_brings_the_first_commit_forward(speech_dir: Path) ->
     half the window cap: a window cut at its cap before anything was agreed would commit its
     words unchecked."""
     engine = ScriptedEngine()
-    config = StreamingConfig(max_window_s=4.0, clause_cut_s=4.0)
+    config = StreamingConfig(finals="words", max_window_s=4.0, clause_cut_s=4.0)
     assert config.commit.min_window_s >= config.max_window_s
     session = Session("small", streaming=config)
     clip = load_clip(speech_dir / LONG_SPEECH_CLIP)
     _feed_answering(session, engine, pcm_s16le_bytes(clip[: round(3.5 * SAMPLE_RATE_HZ)]))
     assert [e for e in session.events_to_send() if isinstance(e, FinalMessage)]
 
-    session = Session("default")  # the default cap leaves the first words waiting
+    session = Session("default", streaming=WORDS)  # the default cap leaves them waiting
     _feed_answering(session, engine, pcm_s16le_bytes(clip[: round(3.5 * SAMPLE_RATE_HZ)]))
     assert not [e for e in session.events_to_send() if isinstance(e, FinalMessage)]
 

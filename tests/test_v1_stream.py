@@ -88,16 +88,16 @@ def test_the_end_of_speech_silence_is_the_streams_own() -> None:
     assert Session("default").vad_config == VadConfig()
 
 
-def test_finals_per_utterance_are_the_streams_own_choice() -> None:
-    session = Session("accurate")
-    apply_text('{"type": "config", "finals": "utterance"}', session)
-    assert session.settings.finals == "utterance" and session.streaming.finals == "utterance"
+def test_finals_are_the_streams_own_choice() -> None:
+    assert Session("default").streaming.finals == "utterance"
+    session = Session("fast")
+    apply_text('{"type": "config", "finals": "words"}', session)
+    assert session.settings.finals == "words" and session.streaming.finals == "words"
     apply_text('{"type": "config", "end_of_speech_ms": 300}', session)  # kept by a later config
-    assert session.streaming.finals == "utterance"
+    assert session.streaming.finals == "words"
     queried = V1Adapter().open_session(
-        _settings(), Request(f"{STREAM_PATH}?finals=utterance", Headers())
+        _settings(), Request(f"{STREAM_PATH}?finals=words", Headers())
     )
-    assert queried.streaming.finals == "utterance"
+    assert queried.streaming.finals == "words"
     with pytest.raises(ProtocolError, match=r"in the URL query.*finals"):
         V1Adapter().open_session(_settings(), Request(f"{STREAM_PATH}?finals=all", Headers()))
-    assert Session("default").streaming.finals == "words"

@@ -274,6 +274,7 @@ class DeepgramAdapter:
                     language=options.language,
                     end_of_speech_ms=end_ms,
                     speakers=options.diarize,
+                    finals=settings.streaming.agent_finals,
                 )
             )
         except ProtocolError as exc:

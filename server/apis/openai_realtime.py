@@ -193,7 +193,11 @@ class RealtimeAdapter:
         )
         # OpenAI's transcription events have no speaker field: labels a server with
         # --speakers would compute here would never be sent, and finals would wait for them.
-        session.configure(dataclasses.replace(session.settings, speakers=False))
+        session.configure(
+            dataclasses.replace(
+                session.settings, speakers=False, finals=settings.streaming.agent_finals
+            )
+        )
         self._config = _Config(language=session.language)
         return session
 

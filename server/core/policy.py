@@ -10,10 +10,11 @@ that bench/accuracy.py measured, one by one, against offline decoding of the sam
   utterance decoded from a second of audio are where tiny.en is weakest);
 - a word whose probability is below ``min_word_probability`` waits, and the words after it;
 - the closing decode of a window (end of speech, flush, end) commits everything that is left,
-  except doubtful words placed at the very end of the audio: word alignment puts the words it
-  finds no audio for there, with zero length (seen: "and the first one is the first one."
-  after the last word of a clip, all at its last frame, each below 0.3 probability). A real
-  last word can land there too (the alignment squeezes it), but confidently.
+  except what follows a doubtful word placed at the very end of the audio: word alignment
+  puts the words it finds no audio for there, with zero length (seen: "and the first one is
+  the first one." after the last word of a clip, all at its last frame, each below 0.3
+  probability). A real last word can land there too (the alignment squeezes it), but
+  confidently.
 
 Pure: no I/O, no clock. The session feeds it each decode's tail and the window's extent.
 """
@@ -116,18 +117,20 @@ class CommitPolicy:
         return committed
 
     def _heard(self, tail: Sequence[Word], window_end_s: float) -> Sequence[Word]:
-        """``tail`` up to the first doubtful word of the run of words at the audio's end."""
+        """``tail`` up to the first doubtful word of the run of words at the audio's end.
+        Confident words after a doubtful one go too: they were decoded on from it with no
+        audio under them (seen: "fine typography, that has an example" at a clip's last
+        frame, "that" at 0.19, the rest at 0.68-0.93)."""
         c = self.config
-        keep = len(tail)
-        for k in range(len(tail) - 1, -1, -1):
+        run = len(tail)
+        while run > 0 and tail[run - 1].start_s >= window_end_s - c.past_audio_margin_s:
+            run -= 1
+        for k in range(run, len(tail)):
             word = tail[k]
-            if word.start_s < window_end_s - c.past_audio_margin_s:
-                break
-            if normalize_word(word.text):  # punctuation alone neither cuts nor stops the run
-                if word.probability >= c.past_audio_min_probability:
-                    break
-                keep = k
-        return tail[:keep]
+            # punctuation alone never cuts the run
+            if normalize_word(word.text) and word.probability < c.past_audio_min_probability:
+                return tail[:k]
+        return tail
 
     def _waiting(self, tail: Sequence[Word], window_start_s: float, window_end_s: float) -> int:
         """How many words at the end of ``tail`` are not ready to commit."""

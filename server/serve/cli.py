@@ -3,8 +3,8 @@
     whisperwire-server [--host 127.0.0.1] [--port 8765] [--model tiny.en] [--dtype float32]
                        [--quantize-bits 4|8] [--min-context-s 3] [--max-batch-size 8]
                        [--batch-wait-ms 5] [--decode-lanes auto] [--min-right-context-s 0.8]
-                       [--closing-beam-size 5] [--finals words|utterance]
-                       [--utterance-phrase-s 0]
+                       [--closing-beam-size 5] [--finals utterance|words]
+                       [--agent-finals words|utterance] [--utterance-phrase-s 0]
                        [--max-sessions 32] [--no-capacity-limit] [--capacity N]
                        [--capacity-hop-s 1] [--capacity-utilization 0.8]
                        [--admission-utilization 0.7]
@@ -139,9 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--finals",
         choices=FINALS,
         default=StreamingConfig().finals,
-        help="when words become final: 'words' one by one as decodes agree (about 2 s after "
-        "each), 'utterance' an utterance's together when it ends, from a beam search over it "
-        "(offline beam-5 accuracy, later finals); a v1 stream may choose (default %(default)s)",
+        help="when a v1 stream's words become final unless it chooses: 'utterance' an "
+        "utterance's together when it ends, from a beam search over it (offline beam-5 "
+        "accuracy), 'words' one by one as decodes agree (about 2 s after each, less accurate) "
+        "(default %(default)s)",
+    )
+    streaming.add_argument(
+        "--agent-finals",
+        choices=FINALS,
+        default=StreamingConfig().agent_finals,
+        help="the same for the voice-agent streams (Deepgram's /v1/listen, OpenAI's Realtime), "
+        "whose turns end when their finals arrive (default %(default)s)",
     )
     streaming.add_argument(
         "--utterance-phrase-s",
@@ -328,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             closing_beam_size=args.closing_beam_size,
             speculative_closing=args.speculative_closing,
             finals=args.finals,
+            agent_finals=args.agent_finals,
             utterance_phrase_s=args.utterance_phrase_s,
             commit=CommitConfig(min_right_context_s=args.min_right_context_s),
             speakers=SpeakerConfig(enabled=args.speakers),
