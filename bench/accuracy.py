@@ -64,16 +64,16 @@ from bench.accuracy_metrics import (
 )
 from bench.corpus import read_manifest
 from bench.engine import RESULTS, Float32Array, load_speech, speech_dir, write_results
-from bench.replay import WhisperwireAdapter, replay
+from bench.replay import Replay, TimedAdapter, WhisperwireAdapter, replay
 from bench.server_process import ServerProcess, free_port, http_ok
-from bench.simulate import simulate
+from bench.simulate import TimedEvent, simulate, utterance_last_words
 from server.config import StreamingConfig, VadConfig
 from server.core.engine_api import DecodeOptions
 from server.core.policy import CommitConfig
 from server.core.session import DecodeJob
 from server.engine.engine import Engine, EngineConfig
 from server.engine.offline import transcribe_audio
-from server.protocol.messages import SpeechStartedMessage
+from server.protocol.messages import FinalMessage, SpeechStartedMessage, parse_server_message
 
 # The offline references by name: None is transcribe_audio's own default (greedy, as the
 # harness has always decoded); beam5 is OpenAI Whisper's default beam search.
@@ -221,11 +221,40 @@ CLIP_HEADER = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class ServedClip:
+    """One clip as a real server streamed it: its finals' text, and their latencies as the
+    simulation times them (``SimulationResult``), from when the audio was sent."""
+
+    text: str
+    final_latencies_s: tuple[float, ...]  # per final: arrival - sent time of its last word
+    end_of_speech_to_final_s: tuple[float, ...]  # per utterance with final words
+
+
+def served_clip(record: Replay, messages: list[tuple[float, dict[str, Any]]]) -> ServedClip:
+    """``record`` and its v1 ``messages`` (arrival wall time, JSON) reduced to a ServedClip."""
+    events = [
+        TimedEvent(wall, parse_server_message(json.dumps(m)))
+        for wall, m in messages
+        if m["type"] in ("speech_started", "speech_ended", "final")
+    ]
+    finals = [
+        e.at_s - record.sends.sent_at(e.message.words[-1].end)
+        for e in events
+        if isinstance(e.message, FinalMessage) and e.message.words
+    ]
+    turn_ends = [
+        arrived - record.sends.sent_at(word_end)
+        for arrived, word_end in utterance_last_words(events)
+    ]
+    return ServedClip(record.text, tuple(finals), tuple(turn_ends))
+
+
 async def stream_through_server(
     clips: list[tuple[str, str]], server_args: tuple[str, ...] = ()
-) -> dict[str, str]:
+) -> dict[str, ServedClip]:
     """Each clip as its own WebSocket session at 1x into a real server subprocess (the
-    capacity limit off: one stream at a time anyway); the finals' text per clip."""
+    capacity limit off: one stream at a time anyway)."""
     port = free_port()
     cmd = [
         os.path.join(sys.prefix, "bin", "whisperwire-server"),
@@ -233,13 +262,14 @@ async def stream_through_server(
         *server_args,
     ]
     ready = f"http://127.0.0.1:{port}/readyz"
-    texts: dict[str, str] = {}
+    served: dict[str, ServedClip] = {}
     log = RESULTS / "logs" / "accuracy_server.log"
     async with ServerProcess("whisperwire", cmd, ready=lambda: http_ok(ready), log_path=log):
         for file, _ in clips:
-            record = await replay(WhisperwireAdapter(f"ws://127.0.0.1:{port}"), load_speech(file))
-            texts[file] = record.text
-    return texts
+            adapter = TimedAdapter(WhisperwireAdapter(f"ws://127.0.0.1:{port}"))
+            record = await replay(adapter, load_speech(file))
+            served[file] = served_clip(record, adapter.messages)
+    return served
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,12 +361,19 @@ def main(argv: list[str] | None = None) -> int:
         clips = [(r.file, r.transcript) for r in short]
         served = asyncio.run(stream_through_server(clips, tuple(args.server_args.split())))
         for clip, row in zip(sets["short"], short, strict=True):
-            counts = count_errors(row.transcript, served[row.file])
+            got = served[row.file]
+            counts = count_errors(row.transcript, got.text)
             clip["errors_served"] = counts.errors
             clip["wer_served"] = round(counts.wer, 4)
-            clip["text_served"] = served[row.file]
+            clip["text_served"] = got.text
+            clip["final_latencies_served_s"] = [round(x, 3) for x in got.final_latencies_s]
+            clip["end_of_speech_to_final_served_s"] = [
+                round(x, 3) for x in got.end_of_speech_to_final_s
+            ]
+            turn_ends = " ".join(f"{x:.2f}" for x in got.end_of_speech_to_final_s)
             print(
-                f"served {counts.wer:7.3f} simulated {clip['wer_streamed']:7.3f}  {row.file}",
+                f"served {counts.wer:7.3f} simulated {clip['wer_streamed']:7.3f}  {row.file}"
+                f"  end of speech to final {turn_ends or '-'} s",
                 flush=True,
             )
     difficulty = {name: pooled(rows) for name, rows in by_difficulty(sets).items()}

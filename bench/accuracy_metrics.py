@@ -302,6 +302,8 @@ def pooled(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     finals = [x for r in rows for x in r["final_latencies_s"]]
     word_finals = [x for r in rows for x in r.get("word_final_latencies_s", [])]
     turn_ends = [x for r in rows for x in r.get("end_of_speech_to_final_s", [])]
+    served_finals = [x for r in rows for x in r.get("final_latencies_served_s", [])]
+    served_turn_ends = [x for r in rows for x in r.get("end_of_speech_to_final_served_s", [])]
     firsts = [r["first_partial_s"] for r in rows if r["first_partial_s"] is not None]
     shown = sum(r["flicker_shown"] for r in rows)
     audio_s = sum(r["audio_s"] for r in rows)
@@ -312,6 +314,9 @@ def pooled(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "word_final_latency_p95_s": percentile(word_finals, 0.95),
         "end_of_speech_to_final_p50_s": percentile(turn_ends, 0.5),
         "end_of_speech_to_final_p95_s": percentile(turn_ends, 0.95),
+        "final_latency_served_p95_s": percentile(served_finals, 0.95),
+        "end_of_speech_to_final_served_p50_s": percentile(served_turn_ends, 0.5),
+        "end_of_speech_to_final_served_p95_s": percentile(served_turn_ends, 0.95),
         "first_partial_p50_s": percentile(firsts, 0.5),
         "first_partial_p95_s": percentile(firsts, 0.95),
         "flicker": round(sum(r["flicker_changed"] for r in rows) / shown, 4) if shown else 0.0,
@@ -335,6 +340,9 @@ HEADLINE_KEYS = (
     "word_final_latency_p95_s",
     "end_of_speech_to_final_p50_s",
     "end_of_speech_to_final_p95_s",
+    "final_latency_served_p95_s",
+    "end_of_speech_to_final_served_p50_s",
+    "end_of_speech_to_final_served_p95_s",
     "first_partial_p50_s",
     "flicker",
 )

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from websockets.asyncio.client import ClientConnection
 
 from bench.corpus import wer
 from bench.decoder import E2E_CLIP
@@ -51,7 +50,7 @@ from bench.latency_audio import (
 from bench.latency_metrics import SendLog, normalize_word, p50_p95_ms, stream_metrics
 from bench.peer_whisperlive import PEER_VENV, PeerConfig, WhisperLiveAdapter, default_model_path
 from bench.peer_whisperlive import server_command as peer_command
-from bench.replay import Replay, View, WhisperwireAdapter, replay
+from bench.replay import Replay, TimedAdapter, WhisperwireAdapter, replay
 from bench.server_process import ServerProcess, free_port, http_ok, port_open
 from server.core.engine_api import DecodeRequest, Window
 from server.engine.engine import Engine, EngineConfig
@@ -214,32 +213,6 @@ def window_2s_ms_p50(measured: float | None) -> tuple[float | None, str]:
 
 
 # --- one stream ----------------------------------------------------------------------------
-
-
-class TimedAdapter:
-    """A ``ProtocolAdapter`` that also keeps every server message with its arrival time (the
-    replay's clock, read right after it)."""
-
-    def __init__(self, inner: WhisperwireAdapter | WhisperLiveAdapter) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.messages: list[tuple[float, dict[str, Any]]] = []
-
-    async def handshake(self, ws: ClientConnection) -> None:
-        await self.inner.handshake(ws)
-
-    def encode(self, samples: Float32Array) -> bytes:
-        return self.inner.encode(samples)
-
-    def receive(self, raw: str | bytes) -> View | None:
-        self.messages.append((time.perf_counter(), json.loads(raw)))
-        return self.inner.receive(raw)
-
-    async def end(self, ws: ClientConnection, changed: asyncio.Event) -> None:
-        await self.inner.end(ws, changed)
-
-    def final_text(self) -> str:
-        return self.inner.final_text()
 
 
 @dataclass(frozen=True)

@@ -171,3 +171,29 @@ class WhisperwireAdapter:
 
     def final_text(self) -> str:
         return " ".join(t for t in self._finals if t)
+
+
+class TimedAdapter:
+    """A ``ProtocolAdapter`` that also keeps every server message with its arrival time (the
+    replay's clock, read right after it)."""
+
+    def __init__(self, inner: ProtocolAdapter) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.messages: list[tuple[float, dict[str, Any]]] = []
+
+    async def handshake(self, ws: ClientConnection) -> None:
+        await self.inner.handshake(ws)
+
+    def encode(self, samples: Float32Array) -> bytes:
+        return self.inner.encode(samples)
+
+    def receive(self, raw: str | bytes) -> View | None:
+        self.messages.append((time.perf_counter(), json.loads(raw)))
+        return self.inner.receive(raw)
+
+    async def end(self, ws: ClientConnection, changed: asyncio.Event) -> None:
+        await self.inner.end(ws, changed)
+
+    def final_text(self) -> str:
+        return self.inner.final_text()

@@ -12,7 +12,7 @@ clock too: a server runs them beside the decodes, so this is the slower bound.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,24 +79,7 @@ class SimulationResult:
     def end_of_speech_to_final_s(self) -> list[float]:
         """Per utterance: when the final holding its last word arrived, minus the stream time
         of that word's end (the turn-end latency a voice agent waits for)."""
-        out: list[float] = []
-        start = 0.0
-        for e in self.events:
-            if isinstance(e.message, SpeechStartedMessage):
-                start = e.message.start
-            elif isinstance(e.message, SpeechEndedMessage):
-                end = e.message.end
-                last = [
-                    (f.at_s, w.end)
-                    for f in self.events
-                    if isinstance(f.message, FinalMessage)
-                    for w in f.message.words
-                    if start <= w.start < end
-                ]
-                if last:
-                    arrived, word_end = max(last, key=lambda x: x[1])
-                    out.append(arrived - word_end)
-        return out
+        return [arrived - word_end for arrived, word_end in utterance_last_words(self.events)]
 
     def word_final_latencies_s(self) -> list[float]:
         """For each final word: when its final arrived minus the stream time of its end. The
@@ -132,6 +115,29 @@ class SimulationResult:
             elif isinstance(m, FinalMessage):
                 previous = []
         return changed, shown
+
+
+def utterance_last_words(events: Sequence[TimedEvent]) -> list[tuple[float, float]]:
+    """Per utterance (a speech_started to its speech_ended) that has final words: when the
+    final holding its last word arrived (``at_s``), and that word's end in stream time. The
+    simulation and a real server's messages (``bench.accuracy``) time turn ends alike."""
+    out: list[tuple[float, float]] = []
+    start = 0.0
+    for e in events:
+        if isinstance(e.message, SpeechStartedMessage):
+            start = e.message.start
+        elif isinstance(e.message, SpeechEndedMessage):
+            end = e.message.end
+            last = [
+                (f.at_s, w.end)
+                for f in events
+                if isinstance(f.message, FinalMessage)
+                for w in f.message.words
+                if start <= w.start < end
+            ]
+            if last:
+                out.append(max(last, key=lambda x: x[1]))
+    return out
 
 
 def simulate(

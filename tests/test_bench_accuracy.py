@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.accuracy import read_offline_cache
+from bench.accuracy import read_offline_cache, served_clip
 from bench.accuracy_metrics import (
     DIFFICULTIES,
     LOCATIONS,
@@ -21,6 +21,7 @@ from bench.accuracy_metrics import (
     table,
     token_times,
 )
+from bench.replay import Replay
 from bench.simulate import SimulationResult, TimedEvent
 from server.protocol.messages import (
     FinalMessage,
@@ -280,3 +281,29 @@ def test_end_of_speech_to_final_times_each_utterances_last_word() -> None:
     ]
     got = result.end_of_speech_to_final_s()
     assert [round(x, 3) for x in got] == [1.6, 0.7]
+
+
+def test_a_served_clip_is_timed_from_when_its_audio_was_sent() -> None:
+    """The server's messages get the simulation's turn ends and final latencies, with each
+    word's end taken to the wall time its 100 ms frame left the client."""
+    record = Replay(text="alpha bravo charlie")
+    for k in range(30):  # frame k, ending at (k + 1) / 10 s of stream, sent at 100 s + that
+        record.sends.sent(0.1, 100.0 + (k + 1) / 10)
+
+    def final(*spec: tuple[str, float]) -> dict[str, Any]:
+        words = tuple(timed(*spec))
+        message = FinalMessage(0, text(list(words)), words[0].start, words[-1].end, words, 0.0)
+        parsed: dict[str, Any] = json.loads(message.to_json())
+        return parsed
+
+    messages = [
+        (100.5, json.loads(SpeechStartedMessage(0.0, 0.5).to_json())),
+        (101.1, final(("alpha", 0.2))),  # alpha ends at 0.5, sent at 100.5
+        (101.4, {"type": "partial", "text": "bravo"}),  # not a final: not timed
+        (103.0, json.loads(SpeechEndedMessage(2.8, 3.0).to_json())),
+        (103.9, final(("bravo", 1.0), ("charlie", 2.0))),  # charlie ends at 2.3
+    ]
+    clip = served_clip(record, messages)
+    assert clip.text == "alpha bravo charlie"
+    assert [round(x, 3) for x in clip.final_latencies_s] == [0.6, 1.6]
+    assert [round(x, 3) for x in clip.end_of_speech_to_final_s] == [1.6]
