@@ -227,7 +227,7 @@ class ServedClip:
     simulation times them (``SimulationResult``), from when the audio was sent."""
 
     text: str
-    final_latencies_s: tuple[float, ...]  # per final: arrival - sent time of its last word
+    final_latencies_s: tuple[float, ...]  # per final: arrival - sent time of its end
     end_of_speech_to_final_s: tuple[float, ...]  # per utterance with final words
 
 
@@ -239,9 +239,9 @@ def served_clip(record: Replay, messages: list[tuple[float, dict[str, Any]]]) ->
         if m["type"] in ("speech_started", "speech_ended", "final")
     ]
     finals = [
-        e.at_s - record.sends.sent_at(e.message.words[-1].end)
+        e.at_s - record.sends.sent_at(e.message.end)
         for e in events
-        if isinstance(e.message, FinalMessage) and e.message.words
+        if isinstance(e.message, FinalMessage)
     ]
     turn_ends = [
         arrived - record.sends.sent_at(word_end)
