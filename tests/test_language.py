@@ -237,12 +237,13 @@ def test_a_window_cap_under_the_decision_limit_decides_and_loses_no_words(
     base_engine: Engine, speech_dir: Path, manifest: list[ManifestRow]
 ) -> None:
     """A detector never sure enough, windows capped at 4 s: each cut decides the segment in
-    the language its words were decoded in, and commits them."""
+    the language its words were decoded in, and commits them. Word by word: per utterance
+    windows grow to 30 s, and this 8.7 s clip would never be cut."""
     name = NON_ENGLISH["es"]
     audio = load_clip(speech_dir / name)
     never_sure = LanguageConfig(confident_probability=1.0)
     config = StreamingConfig(
-        language=None, max_window_s=4.0, clause_cut_s=4.0, detection=never_sure
+        language=None, finals="words", max_window_s=4.0, clause_cut_s=4.0, detection=never_sure
     )
     result = simulate(base_engine, audio, streaming=config, decode_cost_s=base_cost_s)
     assert {f.language for f in result.finals} == {"es"}

@@ -313,8 +313,11 @@ def test_cuts_inside_speech_lose_no_words(
     manifest: list[ManifestRow],
 ) -> None:
     """Measured when this was written: streamed 4 errors, offline 5; cutting at the last
-    word's end (``cut_carry_words=0``) gave 17, 15 of them words lost at the cuts."""
-    config = StreamingConfig(max_window_s=4.0, clause_cut_s=4.0)
+    word's end (``cut_carry_words=0``) gave 17, 15 of them words lost at the cuts. Word by
+    word: per utterance (the default since session 21) windows grow to 30 s whatever
+    ``max_window_s`` says, and these clips were not cut at all."""
+    config = StreamingConfig(finals="words", max_window_s=4.0, clause_cut_s=4.0)
+    assert Session("cut", streaming=config).streaming.max_window_s == 4.0
     _assert_streams_as_accurately_as_offline(
         engine, offline_text, speech_dir, manifest, CUT_CLIPS, config
     )
@@ -1429,8 +1432,9 @@ def test_speech_decoded_again_after_an_early_end_is_not_settled_too_soon(
 
 def test_a_stream_far_behind_is_settled_only_when_caught_up(speech_dir: Path) -> None:
     """While a decode is in flight 12 s of speech and a pause arrive: the closed segment is
-    then decoded in pieces capped at the longest window, which are not closing decodes."""
-    streaming = StreamingConfig(max_window_s=9.0, clause_cut_s=9.0)
+    then decoded in pieces capped at the longest window, which are not closing decodes (word
+    by word: per utterance the window is 30 s, and 12 s come in one piece)."""
+    streaming = StreamingConfig(finals="words", max_window_s=9.0, clause_cut_s=9.0)
     audio = np.concatenate(
         [
             load_clip(speech_dir / SETTLED_LONG_CLIP)[: 12 * SAMPLE_RATE_HZ],
