@@ -3,7 +3,7 @@
     whisperwire-server [--host 127.0.0.1] [--port 8765] [--model tiny.en] [--dtype float32]
                        [--quantize-bits 4|8] [--min-context-s 3] [--max-batch-size 8]
                        [--batch-wait-ms 5] [--decode-lanes auto] [--min-right-context-s 0.8]
-                       [--closing-beam-size 5] [--finals utterance|words]
+                       [--closing-beam-size 1] [--finals utterance|words]
                        [--agent-finals words|utterance] [--utterance-phrase-s 0]
                        [--max-sessions 32] [--no-capacity-limit] [--capacity N]
                        [--capacity-hop-s 1] [--capacity-utilization 0.8]
@@ -132,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--closing-beam-size",
         type=int,
         default=StreamingConfig().closing_beam_size,
-        help="beam width of the decode that commits the rest of an utterance when it ends, "
-        "while every stream has a decode lane; 1: greedy (default %(default)s)",
+        help="with 'words' finals, the beam width of the decode that commits the rest of an "
+        "utterance when it ends, while every stream has a decode lane; 1: greedy ('utterance' "
+        "finals search 5 beams, and are greedy under load too) (default %(default)s)",
     )
     streaming.add_argument(
         "--finals",
