@@ -147,16 +147,19 @@ def test_long_recordings_stream_as_well_as_offline(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("finals", ["words", "utterance"])
 def test_a_recording_sent_all_at_once_loses_no_window(
-    engine: Engine, offline_text: Callable[[Path], str], speech_dir: Path
+    engine: Engine, offline_text: Callable[[Path], str], speech_dir: Path, finals: str
 ) -> None:
     """All 222 s of LJ long arrive before the first decode (``--pace 0``, or a stream far
-    behind): every window is cut at its cap. Two faults skipped whole 15 s windows while
-    ``done`` counted them transcribed: a cut behind the carried prefix when nothing new was
-    committed, and a cut past a window whose decode ended at the prefix."""
+    behind): every window is cut at its cap, 15 s word by word, 30 s per utterance. Two
+    faults skipped whole 15 s windows while ``done`` counted them transcribed: a cut behind
+    the carried prefix when nothing new was committed, and a cut past a window whose decode
+    ended at the prefix."""
     name = "ljspeech/long/LJ001-0001_to_0032.concat.wav"
     audio = load_clip(speech_dir / name)
-    result = simulate(engine, audio, decode_cost_s=lambda job: 1000.0)
+    streaming = StreamingConfig(finals=finals)
+    result = simulate(engine, audio, streaming=streaming, decode_cost_s=lambda job: 1000.0)
     gaps = [(a.end, b.start) for a, b in pairwise(result.finals) if b.start - a.end > 3.0]
     assert gaps == [], "continuous speech, so no final follows the one before by 3 s"
     offline = offline_text(speech_dir / name)
