@@ -451,14 +451,22 @@ async def test_a_session_the_server_ends_goes_on_in_a_new_one_on_one_timeline(
     ``done``), mid-speech: the page reconnects and carries on, each new session from the
     second-last final word of the one before, sent the audio kept from there first. The
     repeat at each seam is dropped as ``client.timeline`` drops it, from the finals, the
-    transcript, the downloads and the words alike, and the words land on one timeline."""
-    from server.config import ServerConfig
+    transcript, the downloads and the words alike, and the words land on one timeline.
+
+    Word-by-word finals, so that a session's first final comes seconds before its 6 s run
+    out: per utterance it may come only with the limit's closing finals, and the stop clicked
+    then met a session the server was ending (close 1013, not the stop's 1000)."""
+    from server.config import ServerConfig, StreamingConfig
     from server.serve.app import WhisperwireServer
 
     config = ServerConfig(host="127.0.0.1", port=0, max_session_s=6.0, capacity_limit=False)
+    words = StreamingConfig(finals="words")
     wav = speech_dir / CLIP
     (row,) = [r for r in manifest if r.file == CLIP]
-    async with WhisperwireServer(lambda: engine, server=config) as server, async_playwright() as pw:
+    async with (
+        WhisperwireServer(lambda: engine, server=config, streaming=words) as server,
+        async_playwright() as pw,
+    ):
         browser = await launch(
             pw, "--use-fake-ui-for-media-stream", f"--use-file-for-fake-audio-capture={wav}"
         )
