@@ -49,6 +49,7 @@ from tests.helpers import (
     pcm_frames,
     scripted_server,
     stream_frames,
+    write_wav,
 )
 from tests.test_http_front import noise_wav
 
@@ -1141,19 +1142,27 @@ async def test_a_burst_of_newcomers_is_refused_and_the_admitted_streams_keep_up(
 
 
 async def test_a_pace_0_burst_of_the_real_model_leaves_the_capacity_estimate_alone(
-    speech_dir: Path,
+    speech_dir: Path, tmp_path: Path
 ) -> None:
     """Issue #32: four clients sending an 11 s clip as fast as they can took the estimate
     from 6 to 2, and two of the next four real-time clients were refused. Their windows are
     catch-up (backlog, not what a stream costs) and the estimate moves only on agreeing calls:
     it stays, and as many real-time clients as the burst (four on our CPUs) are all served.
-    Two lanes, as on our 2-core CPUs."""
+    Two lanes, as on our 2-core CPUs.
+
+    The burst sends the clip twice: per utterance (the default) a window reaches as far as the
+    audio that arrived, and the clip's two utterances alone (7.9 s and 3 s) could leave less
+    than ``CATCH_UP_S`` beyond the first one's window when a lane took it: no catch-up call at
+    all in one clean clone. Its second utterance's windows now have the second copy beyond."""
     from client.sources import FileSource
     from client.stream import stream_audio
     from server.engine.engine import EngineConfig
     from server.serve.cli import load_engine
 
     clip = speech_dir / "misc_en/jfk.wav"
+    twice = tmp_path / "jfk-twice.wav"
+    audio = load_clip(clip)
+    write_wav(twice, np.concatenate([audio, np.zeros(SAMPLE_RATE_HZ, np.float32), audio]))
     config = ServerConfig(host="127.0.0.1", port=0, max_sessions=16)
     # Calibrated on CPU time, as the CLI does on a CPU: the test suite's other workers keep
     # the cores busy, and wall time would count their turns as this server's cost.
@@ -1167,7 +1176,7 @@ async def test_a_pace_0_burst_of_the_real_model_leaves_the_capacity_estimate_alo
         # carries is bench-capacity's to measure; the burst of as many as it says is this test's.
         assert start >= 1, srv.capacity_summary()
         clients = min(start, 4)
-        burst = [stream_audio(url, FileSource(clip), pace=0) for _ in range(clients)]
+        burst = [stream_audio(url, FileSource(twice), pace=0) for _ in range(clients)]
         results = await asyncio.wait_for(asyncio.gather(*burst), WAIT_S)
         assert all(r.text for r in results)
         page = srv.metrics.render()
