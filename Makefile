@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 
 .PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-gpu bench-beam bench-streaming bench-capacity bench-speakers bench-uploads bench-vocabulary clean
-.PHONY: peer bench-latency bench-accuracy tmux
+.PHONY: peer bench-latency bench-accuracy bench-served tmux
 
 install: $(STAMP)
 
@@ -116,6 +116,9 @@ bench-latency: $(STAMP) $(PEER_STAMP)
 # beside offline decoding of the same clip. BENCH_ACCURACY_ARGS: e.g. --set commit.min_window_s=3
 bench-accuracy: $(STAMP)
 	$(PY) -m bench.accuracy $(BENCH_ACCURACY_ARGS)
+
+bench-served: $(STAMP)
+	$(PY) -m bench.served $(BENCH_SERVED_ARGS)
 
 # The capacity sweep runs WhisperLive beside ours too (BENCH_CAPACITY_ARGS=--no-peer: ours only).
 bench-capacity: $(STAMP) $(PEER_STAMP)

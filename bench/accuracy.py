@@ -66,14 +66,19 @@ from bench.corpus import read_manifest
 from bench.engine import RESULTS, Float32Array, load_speech, speech_dir, write_results
 from bench.replay import Replay, TimedAdapter, WhisperwireAdapter, replay
 from bench.server_process import ServerProcess, free_port, http_ok
-from bench.simulate import TimedEvent, simulate, utterance_last_words
+from bench.simulate import SimulationResult, TimedEvent, simulate, utterance_last_words
 from server.config import StreamingConfig, VadConfig
 from server.core.engine_api import DecodeOptions
 from server.core.policy import CommitConfig
 from server.core.session import DecodeJob
 from server.engine.engine import Engine, EngineConfig
 from server.engine.offline import transcribe_audio
-from server.protocol.messages import FinalMessage, SpeechStartedMessage, parse_server_message
+from server.protocol.messages import (
+    FinalMessage,
+    PartialMessage,
+    SpeechStartedMessage,
+    parse_server_message,
+)
 
 # The offline references by name: None is transcribe_audio's own default (greedy, as the
 # harness has always decoded); beam5 is OpenAI Whisper's default beam search.
@@ -229,6 +234,8 @@ class ServedClip:
     text: str
     final_latencies_s: tuple[float, ...]  # per final: arrival - sent time of its end
     end_of_speech_to_final_s: tuple[float, ...]  # per utterance with final words
+    first_partial_s: float | None  # sent time of the first speech onset to the first word
+    flicker: tuple[int, int]  # (words shown in a partial and later changed, words shown)
 
 
 def served_clip(record: Replay, messages: list[tuple[float, dict[str, Any]]]) -> ServedClip:
@@ -236,8 +243,22 @@ def served_clip(record: Replay, messages: list[tuple[float, dict[str, Any]]]) ->
     events = [
         TimedEvent(wall, parse_server_message(json.dumps(m)))
         for wall, m in messages
-        if m["type"] in ("speech_started", "speech_ended", "final")
+        if m["type"] in ("speech_started", "speech_ended", "partial", "final")
     ]
+    onset = next(
+        (e.message.start for e in events if isinstance(e.message, SpeechStartedMessage)), None
+    )
+    first_word = next(
+        (
+            e.at_s
+            for e in events
+            if isinstance(e.message, (PartialMessage, FinalMessage)) and e.message.text.strip()
+        ),
+        None,
+    )
+    first_partial = (
+        None if onset is None or first_word is None else first_word - record.sends.sent_at(onset)
+    )
     finals = [
         e.at_s - record.sends.sent_at(e.message.end)
         for e in events
@@ -247,7 +268,8 @@ def served_clip(record: Replay, messages: list[tuple[float, dict[str, Any]]]) ->
         arrived - record.sends.sent_at(word_end)
         for arrived, word_end in utterance_last_words(events)
     ]
-    return ServedClip(record.text, tuple(finals), tuple(turn_ends))
+    flicker = SimulationResult(events=events).flicker()
+    return ServedClip(record.text, tuple(finals), tuple(turn_ends), first_partial, flicker)
 
 
 async def stream_through_server(
@@ -370,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
             clip["end_of_speech_to_final_served_s"] = [
                 round(x, 3) for x in got.end_of_speech_to_final_s
             ]
+            clip["first_partial_served_s"] = (
+                None if got.first_partial_s is None else round(got.first_partial_s, 3)
+            )
+            clip["flicker_changed_served"], clip["flicker_shown_served"] = got.flicker
             turn_ends = " ".join(f"{x:.2f}" for x in got.end_of_speech_to_final_s)
             print(
                 f"served {counts.wer:7.3f} simulated {clip['wer_streamed']:7.3f}  {row.file}"

@@ -306,6 +306,11 @@ def pooled(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     served_turn_ends = [x for r in rows for x in r.get("end_of_speech_to_final_served_s", [])]
     firsts = [r["first_partial_s"] for r in rows if r["first_partial_s"] is not None]
     shown = sum(r["flicker_shown"] for r in rows)
+    served_firsts = [
+        r["first_partial_served_s"] for r in rows if r.get("first_partial_served_s") is not None
+    ]
+    served_shown = sum(r.get("flicker_shown_served", 0) for r in rows)
+    served_changed = sum(r.get("flicker_changed_served", 0) for r in rows)
     audio_s = sum(r["audio_s"] for r in rows)
     out |= {
         "final_latency_p50_s": percentile(finals, 0.5),
@@ -320,6 +325,9 @@ def pooled(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "first_partial_p50_s": percentile(firsts, 0.5),
         "first_partial_p95_s": percentile(firsts, 0.95),
         "flicker": round(sum(r["flicker_changed"] for r in rows) / shown, 4) if shown else 0.0,
+        "first_partial_served_p50_s": percentile(served_firsts, 0.5),
+        "first_partial_served_p95_s": percentile(served_firsts, 0.95),
+        "flicker_served": round(served_changed / served_shown, 4) if served_shown else None,
         "decodes_per_audio_s": round(sum(r["decodes"] for r in rows) / audio_s, 3),
         "decode_busy": round(sum(r["decode_s_total"] for r in rows) / audio_s, 3),
     }
@@ -344,7 +352,9 @@ HEADLINE_KEYS = (
     "end_of_speech_to_final_served_p50_s",
     "end_of_speech_to_final_served_p95_s",
     "first_partial_p50_s",
+    "first_partial_served_p50_s",
     "flicker",
+    "flicker_served",
 )
 
 

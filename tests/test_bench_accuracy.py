@@ -25,6 +25,7 @@ from bench.replay import Replay
 from bench.simulate import SimulationResult, TimedEvent
 from server.protocol.messages import (
     FinalMessage,
+    PartialMessage,
     SpeechEndedMessage,
     SpeechStartedMessage,
     WordInfo,
@@ -284,8 +285,9 @@ def test_end_of_speech_to_final_times_each_utterances_last_word() -> None:
 
 
 def test_a_served_clip_is_timed_from_when_its_audio_was_sent() -> None:
-    """The server's messages get the simulation's turn ends and final latencies, with each
-    word's end taken to the wall time its 100 ms frame left the client."""
+    """The server's messages get the simulation's turn ends, final latencies, first-word
+    latency and flicker, with each stream time taken to the wall time its 100 ms frame left
+    the client."""
     record = Replay(text="alpha bravo charlie")
     for k in range(30):  # frame k, ending at (k + 1) / 10 s of stream, sent at 100 s + that
         record.sends.sent(0.1, 100.0 + (k + 1) / 10)
@@ -296,10 +298,16 @@ def test_a_served_clip_is_timed_from_when_its_audio_was_sent() -> None:
         parsed: dict[str, Any] = json.loads(message.to_json())
         return parsed
 
+    def partial(words: str) -> dict[str, Any]:
+        parsed: dict[str, Any] = json.loads(PartialMessage(0, words, 0.0, 1.0, 1.0).to_json())
+        return parsed
+
     messages = [
         (100.5, json.loads(SpeechStartedMessage(0.0, 0.5).to_json())),
+        (100.8, partial("alpha brave")),  # the first word: onset 0.0 was sent at 100.1
         (101.1, final(("alpha", 0.2))),  # alpha ends at 0.5, sent at 100.5
-        (101.4, {"type": "partial", "text": "bravo"}),  # not a final: not timed
+        (101.4, partial("bravo")),  # not a final: not timed
+        (101.6, partial("bravi charlie")),  # bravo taken back: flickered
         (103.0, json.loads(SpeechEndedMessage(2.8, 3.0).to_json())),
         (103.9, final(("bravo", 1.0), ("charlie", 2.0))),  # charlie ends at 2.3
     ]
@@ -307,3 +315,5 @@ def test_a_served_clip_is_timed_from_when_its_audio_was_sent() -> None:
     assert clip.text == "alpha bravo charlie"
     assert [round(x, 3) for x in clip.final_latencies_s] == [0.6, 1.6]
     assert [round(x, 3) for x in clip.end_of_speech_to_final_s] == [1.6]
+    assert clip.first_partial_s is not None and round(clip.first_partial_s, 3) == 0.7
+    assert clip.flicker == (1, 5)
