@@ -178,3 +178,29 @@ def test_closing_decode_keeps_a_word_cut_off_by_a_flush() -> None:
     tail = [Word(" to", 1.0, 1.3, 0.9), Word(" fo", 1.7, 1.9, 0.2)]
     committed = policy.update(tail, window_start_s=0.0, window_end_s=1.9, closing=True)
     assert [w.text for w in committed] == [" to", " fo"]
+
+
+def test_audio_the_server_cut_inside_speech_commits_nothing_at_its_very_end() -> None:
+    """At a drain the session's audio stops mid-speech; the words decoded at its last frames
+    are the prompt's continuation, however confident, and the client that goes on sends
+    that audio again from its last final words (seen: "by a similar" with "a similar" in
+    the last 40 ms; the new session heard it whole as "the miller", and it showed twice)."""
+    tail = [
+        Word(" netherlands", 19.5, 20.0, 0.95),
+        Word(" by", 20.0, 20.24, 0.9),
+        Word(" a", 20.25, 20.28, 0.8),
+        Word(" similar", 20.28, 20.28, 0.9),
+    ]
+    config = CommitConfig(past_audio_margin_s=0.06, past_audio_min_probability=0.5)
+    kept = CommitPolicy(config).update(tail, window_start_s=0.0, window_end_s=20.3, closing=True)
+    assert "".join(w.text for w in kept) == " netherlands by a similar"  # confident: kept
+    cut = CommitPolicy(config).update(
+        tail, window_start_s=0.0, window_end_s=20.3, closing=True, cut_in_speech=True
+    )
+    assert "".join(w.text for w in cut) == " netherlands by"
+    # A word the cut went through started well before it: heard in part, it stays.
+    through = [Word(" to", 1.0, 1.3, 0.9), Word(" fo", 1.7, 1.9, 0.2)]
+    committed = CommitPolicy(config).update(
+        through, window_start_s=0.0, window_end_s=1.9, closing=True, cut_in_speech=True
+    )
+    assert [w.text for w in committed] == [" to", " fo"]

@@ -27,7 +27,7 @@ from bench.accuracy import modelled_cost_s
 from bench.corpus import ManifestRow, find_speech_dir, load_clip, normalize, wer
 from bench.simulate import SimulationResult, simulate
 from server.apis.v1_stream import apply_text
-from server.config import UTTERANCE_WINDOW_S, StreamingConfig
+from server.config import UTTERANCE_WINDOW_S, StreamingConfig, VadConfig
 from server.core.agreement import normalize_word
 from server.core.engine_api import DecodeOptions, DecodeResult, Window, WordTiming
 from server.core.session import (
@@ -39,6 +39,7 @@ from server.core.session import (
     StreamSettings,
 )
 from server.core.speakers import SpeakerConfig
+from server.core.vad import VadSegmenter
 from server.protocol.audio import pcm_s16le_bytes
 from server.protocol.errors import (
     AudioFormatError,
@@ -1307,6 +1308,7 @@ def test_random_input_gives_only_documented_errors_and_loses_nothing(
 
 # --------------------------------------------------------------------------- Settled
 
+CUT_READER = "librispeech_test-other/2609-156975-0002.wav"  # 2 s in, still reading
 PAUSED_CLIPS = (  # two utterances with a second of silence between them
     "librispeech_test-clean/1089-134691-0000.wav",
     "misc_en/arctic_a0024.wav",
@@ -1634,3 +1636,45 @@ def test_speech_after_a_short_pause_keeps_the_guess_as_an_ordinary_decode(
     assert words == " ".join(t for _, t in _finals(off)).split()
     done = [e for _, e in log if isinstance(e, DoneMessage)]
     _check_accounting(done[0])
+
+
+@pytest.mark.parametrize("by_server", [False, True])
+def test_speech_the_server_cuts_commits_no_word_at_the_audios_very_end(
+    speech_dir: Path, by_server: bool
+) -> None:
+    """A drain or a session limit ends the stream mid-speech, and the client goes on from its
+    last final words: the closing decode's words at the audio's last frames (the prompt's
+    continuation, with no audio under them) are left to it. A client's own end keeps a
+    confident one (a real last word can be squeezed there)."""
+    engine = ScriptedEngine()
+    session = Session("cut")
+    beside = VadSegmenter(VadConfig())  # says where the speech is, to cut inside it
+    finals: list[str] = []
+    for fed, frame in enumerate(_frames_of(load_clip(speech_dir / CUT_READER)), 1):
+        session.feed_audio(frame)
+        beside.receive(np.frombuffer(frame, "<i2").astype(np.float32) / 32768)
+        while not session.busy and (job := session.next_job()) is not None:
+            session.receive_result(job, _decode_now(engine, job))
+        finals += [e.text for e in session.events_to_send() if isinstance(e, FinalMessage)]
+        if fed >= 20 and beside.in_speech and beside.tentative_end is None:
+            break  # 2 s in, and the last frame still speech
+    else:
+        pytest.fail("the reader never spoke 2 s in")
+    session.end(by_server=by_server)
+    closing = session.next_job()
+    assert closing is not None and closing.closing
+    heard = _decode_now(engine, closing)
+    made_up = WordTiming(" similar", (1999,), closing.audio_s, closing.audio_s, 0.9)
+    session.receive_result(
+        closing,
+        dataclasses.replace(
+            heard,
+            tokens=(*heard.tokens, 1999),
+            text=heard.text + " similar",
+            words=(*heard.words, made_up),
+        ),
+    )
+    finals += [e.text for e in session.events_to_send() if isinstance(e, FinalMessage)]
+    words = " ".join(finals).split()
+    assert words[:-1] == [f"w{k}" for k in range(len(words) - 1)]  # the heard words, all
+    assert (words[-1] == "similar") is not by_server

@@ -237,14 +237,23 @@ def seams_lined_up(
     """Each seam of the page's finals (a final whose session offset differs from the one
     before): the page's words within ``region`` words of it lined up with the part of
     ``reference_text`` they fit (``fitted_edits``), and the reference words they skip and the
-    words they have that the reference does not, counted there."""
+    words they have that the reference does not, counted there. Two page words that spell a
+    reference word together, and are no pair of the reference's, count as it ("wood
+    cutters", "woodcutters"): a compound the model wrote apart at a seam is no word heard
+    twice."""
     reference = normalize(reference_text).split()
+    spelled = set(reference)
+    pairs = set(itertools.pairwise(reference))
     words: list[str] = []
-    boundaries: list[tuple[float, int]] = []
-    for i, entry in enumerate(final_log):
-        if i and entry["offsetS"] != final_log[i - 1]["offsetS"]:
-            boundaries.append((entry["offsetS"], len(words)))
-        words.extend(normalize(entry["message"]["text"]).split())
+    offsets: list[float] = []  # the session offset of each page word
+    for entry in final_log:
+        for word in normalize(entry["message"]["text"]).split():
+            if words and words[-1] + word in spelled and (words[-1], word) not in pairs:
+                words[-1] += word
+            else:
+                words.append(word)
+                offsets.append(entry["offsetS"])
+    boundaries = [(offsets[b], b) for b in range(1, len(words)) if offsets[b] != offsets[b - 1]]
     seams = []
     for at_s, b in boundaries:
         # A margin either side, so that the words at the region's edges line up too.
@@ -256,6 +265,26 @@ def seams_lined_up(
         text = f"{' '.join(words[lo:b])} | {' '.join(words[b:hi])}"
         seams.append(Seam(at_s, lost, repeated, text))
     return seams
+
+
+async def test_a_seam_counts_words_heard_twice_and_not_a_compound_written_apart() -> None:
+    reference = "before the woodcutters of the netherlands by a similar process produced"
+
+    def log(*sessions: tuple[float, str]) -> list[dict[str, Any]]:
+        return [{"offsetS": at, "message": {"text": text}} for at, text in sessions]
+
+    (apart,) = seams_lined_up(
+        reference, log((0.0, "before the wood cutters"), (18.0, "of the netherlands by"))
+    )
+    assert (apart.lost, apart.repeated) == (0, 0), apart
+    (twice,) = seams_lined_up(
+        reference, log((0.0, "the netherlands by a similar"), (20.2, "the miller process"))
+    )
+    assert (twice.lost, twice.repeated) == (0, 2), twice
+    (skipped,) = seams_lined_up(
+        reference, log((0.0, "the woodcutters of the"), (18.7, "by a similar process"))
+    )
+    assert (skipped.lost, skipped.repeated) == (1, 0), skipped
 
 
 def check_resumed_at_seam_words(final_log: list[dict[str, Any]]) -> None:

@@ -14,7 +14,11 @@ that bench/accuracy.py measured, one by one, against offline decoding of the sam
   puts the words it finds no audio for there, with zero length (seen: "and the first one is
   the first one." after the last word of a clip, all at its last frame, each below 0.3
   probability). A real last word can land there too (the alignment squeezes it), but
-  confidently.
+  confidently. When the server cut the audio inside speech (a drain, a session limit: the
+  client goes on from its last final words), the whole run there goes, however confident:
+  decoded on from the prompt with no audio under it (seen at a drain: "by a similar" with
+  "a similar" in the last 40 ms, which the reconnected session then heard whole as "the
+  miller", shown twice). A word the cut went through starts earlier, and stays.
 
 Pure: no I/O, no clock. The session feeds it each decode's tail and the window's extent.
 """
@@ -92,15 +96,22 @@ class CommitPolicy:
         return list(self._shown) if self._shown is not None else self._agreement.tentative
 
     def update(
-        self, tail: Sequence[Word], *, window_start_s: float, window_end_s: float, closing: bool
+        self,
+        tail: Sequence[Word],
+        *,
+        window_start_s: float,
+        window_end_s: float,
+        closing: bool,
+        cut_in_speech: bool = False,
     ) -> list[Word]:
         """Fold in the newest decode's words after the committed ones, in stream time.
 
         ``window_*_s``: the audio that decode heard. ``closing``: it was the window's last
-        decode, so everything it returned is committed.
+        decode, so everything it returned is committed. ``cut_in_speech``: the audio ends
+        inside speech, so nothing at its very end was heard.
         """
         if closing:
-            tail = self._heard(tail, window_end_s)
+            tail = self._heard(tail, window_end_s, cut_in_speech=cut_in_speech)
         elif (
             self._voted_end_s is not None
             and window_end_s - self._voted_end_s < self.config.min_agreement_step_s
@@ -116,15 +127,20 @@ class CommitPolicy:
             committed += self._agreement.finalize()
         return committed
 
-    def _heard(self, tail: Sequence[Word], window_end_s: float) -> Sequence[Word]:
-        """``tail`` up to the first doubtful word of the run of words at the audio's end.
-        Confident words after a doubtful one go too: they were decoded on from it with no
-        audio under them (seen: "fine typography, that has an example" at a clip's last
-        frame, "that" at 0.19, the rest at 0.68-0.93)."""
+    def _heard(
+        self, tail: Sequence[Word], window_end_s: float, *, cut_in_speech: bool
+    ) -> Sequence[Word]:
+        """``tail`` up to the first doubtful word of the run of words at the audio's end (the
+        whole run when the audio was cut inside speech). Confident words after a doubtful one
+        go too: they were decoded on from it with no audio under them (seen: "fine
+        typography, that has an example" at a clip's last frame, "that" at 0.19, the rest at
+        0.68-0.93)."""
         c = self.config
         run = len(tail)
         while run > 0 and tail[run - 1].start_s >= window_end_s - c.past_audio_margin_s:
             run -= 1
+        if cut_in_speech:
+            return tail[:run]
         for k in range(run, len(tail)):
             word = tail[k]
             # punctuation alone never cuts the run

@@ -177,6 +177,9 @@ class _Utterance:
     # the utterance (nothing else of the window is decoded meanwhile).
     speculation: tuple[DecodeJob, DecodeResult] | None = None
     speculated_to: int = 0  # end sample of the last speculative closing decode
+    # The server ended the stream inside this speech (``Session.end``, ``by_server``): its
+    # closing decode commits nothing placed at the audio's very end.
+    cut_in_speech: bool = False
     # A decode that went on from the carried words past speech it did not transcribe, held
     # while the window is decoded again without them (``_skipped_after_carried``).
     unforced_retry: _UnforcedRetry | None = None
@@ -384,14 +387,25 @@ class Session:
         self._unsettled = True
         self._settle_if_closed_finished()
 
-    def end(self) -> None:
+    def end(self, *, by_server: bool = False) -> None:
         """The stream ends: everything left becomes final, then ``done``. Raises
-        ProtocolError when it was ended already."""
+        ProtocolError when it was ended already.
+
+        ``by_server``: the server ends it (shutdown, drain, a limit), and a client that goes
+        on does so from its last final words. Cut inside speech, the closing decode then
+        commits nothing placed at the audio's very end, where no audio is under a word."""
         if self._ended:
             raise ProtocolError("end sent twice")
         self._ended = True
         tail = self._pcm.flush()
         self._ingest(tail)
+        if (
+            by_server
+            and self._utterances
+            and self._vad.in_speech
+            and self._vad.tentative_end is None
+        ):
+            self._utterances[-1].cut_in_speech = True
         for event in self._vad.flush():
             self._on_vad(event)
         self._close_open_utterance(self._buffer.end, reopen=False)
@@ -761,6 +775,7 @@ class Session:
             window_start_s=job.start_s,
             window_end_s=job.start_s + job.audio_s,
             closing=job.closing,
+            cut_in_speech=utt.cut_in_speech and job.end_sample == utt.end,
         )
         utt.tentative = utt.policy.tentative
         self._commit(utt, committed)

@@ -96,10 +96,11 @@ class StreamDriver:
         finally:
             self._advance()
 
-    def end(self) -> None:
-        """Finish the stream: the client's end, or the server's (shutdown, limits)."""
+    def end(self, *, by_server: bool = False) -> None:
+        """Finish the stream: the client's end, or the server's (``by_server``: shutdown,
+        drain, limits; ``Session.end``)."""
         if not self.session.ended:
-            self.session.end()
+            self.session.end(by_server=by_server)
         self._advance()
 
     def send(self, message: ServerMessage | AdapterEvent) -> None:

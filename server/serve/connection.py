@@ -369,7 +369,7 @@ class Connection:
                             audio_received_s=driver.session.audio_received_s,
                         )
                     )
-                driver.end()
+                driver.end(by_server=True)
 
     async def _drain(self, sender: asyncio.Task[None]) -> None:
         """Wait (bounded) until the outbox is sent, so the close comes after the last message."""
