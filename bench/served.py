@@ -60,6 +60,18 @@ def pool(rows: Sequence[ManifestRow], served: dict[str, ServedClip]) -> dict[str
     }
 
 
+def _clip(row: ManifestRow, got: ServedClip) -> dict[str, Any]:
+    return {
+        "file": row.file,
+        "errors": count_errors(row.transcript, got.text).errors,
+        "text": got.text,
+        "final_latencies_s": [round(x, 3) for x in got.final_latencies_s],
+        "end_of_speech_to_final_s": [round(x, 3) for x in got.end_of_speech_to_final_s],
+        "first_partial_s": got.first_partial_s,
+        "flicker": list(got.flicker),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--match", default="test-other", help="clips whose path contains this")
@@ -79,20 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     server_args = tuple(args.server_args.split())
     served = asyncio.run(stream_through_server([(r.file, r.transcript) for r in rows], server_args))
     summary = {"server_args": list(server_args), **pool(rows, served)}
-    clips = [
-        {
-            "file": r.file,
-            "errors": count_errors(r.transcript, served[r.file].text).errors,
-            "text": served[r.file].text,
-            "final_latencies_s": [round(x, 3) for x in served[r.file].final_latencies_s],
-            "end_of_speech_to_final_s": [
-                round(x, 3) for x in served[r.file].end_of_speech_to_final_s
-            ],
-            "first_partial_s": served[r.file].first_partial_s,
-            "flicker": list(served[r.file].flicker),
-        }
-        for r in rows
-    ]
+    clips = [_clip(r, served[r.file]) for r in rows]
     path = write_results(args.out, {"summary": summary, "clips": clips})
     print(f"wrote {path}")
     print(json.dumps(summary))
