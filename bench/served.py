@@ -28,26 +28,33 @@ from bench.corpus import ManifestRow, read_manifest
 from bench.engine import speech_dir, write_results
 
 
-def pool(rows: Sequence[ManifestRow], served: dict[str, ServedClip]) -> dict[str, Any]:
-    """The clips' served figures pooled: errors over reference words, latencies over every
-    final, turn end and clip, flicker over every word shown in a partial."""
-    errors = ref_words = changed = shown = 0
-    finals: list[float] = []
-    turn_ends: list[float] = []
-    firsts: list[float] = []
-    for row in rows:
-        got = served[row.file]
-        counts = count_errors(row.transcript, got.text)
-        errors += counts.errors
-        ref_words += counts.ref_words
-        finals += got.final_latencies_s
-        turn_ends += got.end_of_speech_to_final_s
-        if got.first_partial_s is not None:
-            firsts.append(got.first_partial_s)
-        changed += got.flicker[0]
-        shown += got.flicker[1]
+def clip_record(row: ManifestRow, got: ServedClip) -> dict[str, Any]:
+    """One clip as served: its errors against the transcript, text and timings."""
+    counts = count_errors(row.transcript, got.text)
     return {
-        "clips": len(rows),
+        "file": row.file,
+        "ref_words": counts.ref_words,
+        "errors": counts.errors,
+        "text": got.text,
+        "final_latencies_s": [round(x, 3) for x in got.final_latencies_s],
+        "end_of_speech_to_final_s": [round(x, 3) for x in got.end_of_speech_to_final_s],
+        "first_partial_s": got.first_partial_s,
+        "flicker": list(got.flicker),
+    }
+
+
+def pool(clips: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The clips' records pooled: errors over reference words, latencies over every final,
+    turn end and clip, flicker over every word shown in a partial."""
+    errors = sum(c["errors"] for c in clips)
+    ref_words = sum(c["ref_words"] for c in clips)
+    finals = [x for c in clips for x in c["final_latencies_s"]]
+    turn_ends = [x for c in clips for x in c["end_of_speech_to_final_s"]]
+    firsts = [c["first_partial_s"] for c in clips if c["first_partial_s"] is not None]
+    changed = sum(c["flicker"][0] for c in clips)
+    shown = sum(c["flicker"][1] for c in clips)
+    return {
+        "clips": len(clips),
         "ref_words": ref_words,
         "errors": errors,
         "wer": round(errors / ref_words, 4) if ref_words else None,
@@ -57,18 +64,6 @@ def pool(rows: Sequence[ManifestRow], served: dict[str, ServedClip]) -> dict[str
         "first_partial_p50_s": percentile(firsts, 0.5),
         "first_partial_p95_s": percentile(firsts, 0.95),
         "flicker": round(changed / shown, 4) if shown else None,
-    }
-
-
-def _clip(row: ManifestRow, got: ServedClip) -> dict[str, Any]:
-    return {
-        "file": row.file,
-        "errors": count_errors(row.transcript, got.text).errors,
-        "text": got.text,
-        "final_latencies_s": [round(x, 3) for x in got.final_latencies_s],
-        "end_of_speech_to_final_s": [round(x, 3) for x in got.end_of_speech_to_final_s],
-        "first_partial_s": got.first_partial_s,
-        "flicker": list(got.flicker),
     }
 
 
@@ -90,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no English clip of manifest.tsv matches {args.match!r}")
     server_args = tuple(args.server_args.split())
     served = asyncio.run(stream_through_server([(r.file, r.transcript) for r in rows], server_args))
-    summary = {"server_args": list(server_args), **pool(rows, served)}
-    clips = [_clip(r, served[r.file]) for r in rows]
+    clips = [clip_record(r, served[r.file]) for r in rows]
+    summary = {"server_args": list(server_args), **pool(clips)}
     path = write_results(args.out, {"summary": summary, "clips": clips})
     print(f"wrote {path}")
     print(json.dumps(summary))

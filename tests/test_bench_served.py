@@ -6,7 +6,7 @@ import pytest
 
 from bench.accuracy import ServedClip
 from bench.corpus import ManifestRow
-from bench.served import main, pool
+from bench.served import clip_record, main, pool
 
 
 def test_served_clips_are_pooled_over_words_finals_turn_ends_and_partials() -> None:
@@ -20,7 +20,7 @@ def test_served_clips_are_pooled_over_words_finals_turn_ends_and_partials() -> N
         # one deletion of three words; no partial with a word came before the final
         "b.wav": ServedClip("a dog", (0.9,), (0.9,), None, (0, 0)),
     }
-    got = pool(rows, served)
+    got = pool([clip_record(row, served[row.file]) for row in rows])
     assert got["clips"] == 2
     assert (got["errors"], got["ref_words"], got["wer"]) == (2, 7, round(2 / 7, 4))
     assert got["final_latency_p95_s"] == 1.5
