@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.accuracy import ServedClip
@@ -29,7 +31,10 @@ def test_served_clips_are_pooled_over_words_finals_turn_ends_and_partials() -> N
     assert got["flicker"] == 0.2
 
 
-def test_a_match_with_no_clip_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_match_with_no_clip_is_refused(
+    speech_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # speech_dir: the manifest it reads (the fixture skips without the shared speech)
     with pytest.raises(SystemExit):
         main(["--match", "no-such-folder"])
     assert "no English clip" in capsys.readouterr().err
