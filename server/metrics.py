@@ -276,6 +276,11 @@ class Metrics:
             "Engine calls on windows of streams sent ahead of real time, counted as backlog "
             "and left out of the estimate",
         )
+        self.decodes_superseded = Counter(
+            "whisperwire_decodes_superseded_total",
+            "Decodes in flight whose result was dropped: an utterance's closing decode started "
+            "on a spare lane instead of waiting for them",
+        )
 
     def all(self) -> list[_Metric]:
         """Every metric, in the order they are rendered."""
@@ -306,6 +311,7 @@ class Metrics:
             self.capacity_window_s,
             self.capacity_window_cost_s,
             self.capacity_catch_up_calls,
+            self.decodes_superseded,
         ]
 
     def observe_batch(self, size: int, elapsed_s: float, audio_s: float) -> None:

@@ -486,6 +486,7 @@ async def test_http_routes(server_url: str) -> None:
         "whisperwire_capacity_window_seconds",
         "whisperwire_capacity_window_cost_seconds",
         "whisperwire_capacity_catch_up_calls_total",
+        "whisperwire_decodes_superseded_total",
     ):
         assert f"\n{name}" in page or f"# TYPE {name}" in page, name
     assert metric_value(page, "whisperwire_ready") == 1

@@ -17,7 +17,7 @@ import pytest
 
 from bench.corpus import load_clip
 from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
-from server.engine.beam import rank_score, search
+from server.engine.beam import log_softmax, rank_score, search, top_logprobs
 from server.engine.engine import Engine
 from server.engine.features import N_FRAMES
 from server.protocol.formats import SAMPLE_RATE_HZ
@@ -51,6 +51,22 @@ def test_rank_score_is_whispers_length_normalisation() -> None:
     assert rank_score(-6.0, 3, 1.0) == pytest.approx(-6.0 / (8 / 6))
     assert rank_score(-6.0, 3, 0.0) == pytest.approx(-6.0)
     assert rank_score(-1.0, 0, None) == pytest.approx(-1.0)  # never a division by zero
+
+
+def test_top_logprobs_are_log_softmaxs_likeliest_tokens_to_the_bit() -> None:
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal(51864) * 4).astype(np.float32)
+    x[rng.choice(51864, 20000, replace=False)] = -np.inf  # filtered out
+    x[[10, 20, 30]] = x.max() + 1  # a tie for the top
+    lp = log_softmax(x)
+    finite = [int(t) for t in np.flatnonzero(np.isfinite(x))]
+    for k in (1, 6):
+        expected = sorted(finite, key=lambda t: (-lp[t], t))[:k]
+        assert top_logprobs(x, k) == [(t, float(lp[t])) for t in expected]
+    few = np.full(100, -np.inf, dtype=np.float32)
+    few[[3, 50]] = [-1.0, 2.0]
+    assert [t for t, _ in top_logprobs(few, 6)] == [50, 3]
+    assert top_logprobs(np.full(100, -np.inf, dtype=np.float32), 6) == []
 
 
 def test_a_beam_of_one_is_greedy_decoding(

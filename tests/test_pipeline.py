@@ -868,3 +868,39 @@ async def test_the_calibration_on_cpu_time_leaves_out_the_time_a_lane_waited_off
     assert bounds[False] == (1, 1)
     ceiling = bounds[True][1]
     assert ceiling is not None and ceiling >= 10, bounds  # a scripted window costs ~no CPU
+
+
+async def test_a_closing_decode_takes_the_spare_lane_instead_of_waiting_for_the_one_in_flight(
+    two_lanes: tuple[Pipeline, Any, Any], speech_dir: Path
+) -> None:
+    """One stream on two lanes, per-utterance finals: a re-decode holds the first lane when the
+    silence after the speech covers the pad. The closing decode goes to the second lane at
+    once, and the stream's finals come from it: two engine calls in all, the first one's
+    result dropped (a third call would wait at the gate forever)."""
+    pipeline, gate, entered = two_lanes
+    clip = load_clip(speech_dir / "misc_en/arctic_a0024.wav")
+    speech, pause = pcm_frames(clip, 0.03), pcm_frames(np.zeros(SAMPLE_RATE_HZ, np.float32), 0.03)
+    driver = StreamDriver(Session("one"), pipeline, max_pending_messages=10_000)
+    try:
+        fed = 0
+        while not await asyncio.to_thread(entered.acquire, True, 0.01):
+            assert fed < len(speech), "no decode of the speech started"
+            driver.feed_audio(speech[fed])
+            fed += 1
+        for frame in speech[fed:] + pause[:10]:
+            driver.feed_audio(frame)
+            await asyncio.sleep(0.001)  # the features thread
+        await entered_calls(entered, 1)  # the closing decode, beside the held re-decode
+        assert pipeline.metrics.decodes_superseded.value() == 1
+        gate.release()
+        gate.release()
+        for frame in pause[10:]:
+            driver.feed_audio(frame)
+        driver.end()
+        assert await asyncio.wait_for(driver.outcome, LANE_WAIT_S) == DriverOutcome.DONE
+    finally:
+        await driver.close()
+    finals = [m for m in drain(driver) if isinstance(m, FinalMessage)]
+    words = " ".join(m.text for m in finals).split()
+    assert len(finals) == 1 and words == [f"w{k}" for k in range(len(words))], finals
+    assert len(words) >= 5  # the whole utterance's: a word per half second of its window

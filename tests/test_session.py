@@ -1638,6 +1638,105 @@ def test_speech_after_a_short_pause_keeps_the_guess_as_an_ordinary_decode(
     _check_accounting(done[0])
 
 
+def _drive_slow_lane(
+    session: Session, frames: Sequence[bytes], *, lane_frames: int, spare_lane: bool
+) -> tuple[list[tuple[int, SessionEvent | DecodeJob]], list[DecodeJob]]:
+    """Feed ``frames`` (then ``end``, then silence until done) to a session whose lane takes
+    ``lane_frames`` frames to answer each decode. With ``spare_lane`` a second lane is idle,
+    and the session may replace the decode in flight (``supersede_job``), as the stream's
+    driver lets it. Every event and job with the frame it came at, and the jobs dropped."""
+    engine = ScriptedEngine()
+    log: list[tuple[int, SessionEvent | DecodeJob]] = []
+    dropped: list[DecodeJob] = []
+    flight: tuple[int, DecodeJob] | None = None
+    fed = 0
+    while not session.done:
+        fed += 1
+        assert fed < len(frames) + 500, "the session never finished"
+        if fed <= len(frames):
+            session.feed_audio(frames[fed - 1])
+        elif fed == len(frames) + 1:
+            session.end()
+        log.extend((fed, e) for e in session.events_to_send())
+        while True:
+            if flight is not None and fed - flight[0] >= lane_frames:
+                session.receive_result(flight[1], _decode_now(engine, flight[1]))
+                flight = None
+            elif flight is not None and spare_lane and (job := session.supersede_job()):
+                dropped.append(flight[1])
+                flight = (fed, job)
+                log.append((fed, job))
+            elif flight is None and (job := session.next_job()) is not None:
+                flight = (fed, job)
+                log.append((fed, job))
+            else:
+                break
+            log.extend((fed, e) for e in session.events_to_send())
+    return log, dropped
+
+
+def test_the_closing_decode_starts_on_a_spare_lane_instead_of_waiting_for_the_one_in_flight(
+    speech_dir: Path,
+) -> None:
+    """Per utterance, a re-decode of the growing window in flight when the pause comes (a
+    slow lane: 0.6 s a decode) held the closing beam search back until it returned. With a
+    lane idle, the closing decode starts at once and the dropped re-decode's result is never
+    folded in: the same finals, sooner."""
+    frames = _frames_of(_paused_speech(speech_dir, 1.0), chunk_s=0.03)
+    log, dropped = _drive_slow_lane(Session("spare"), frames, lane_frames=20, spare_lane=True)
+    waited, none_dropped = _drive_slow_lane(
+        Session("one lane"), frames, lane_frames=20, spare_lane=False
+    )
+    assert not none_dropped
+    assert dropped and all(not j.closing or j.speculative for j in dropped)
+    jobs = [j for _, j in log if isinstance(j, DecodeJob)]
+    ends = [e for _, e in log if isinstance(e, SpeechEndedMessage)]
+    assert len(ends) == 2  # two utterances, each closed by its own decode
+    for ended in ends:
+        end_sample = round(ended.end * SAMPLE_RATE_HZ)
+        (closing,) = [j for j in jobs if j.closing and j.end_sample == end_sample]
+        # Started in the pause, in place of a re-decode in flight, and never dropped itself.
+        assert closing.speculative and closing not in dropped
+        assert any(j.end_sample < end_sample for j in dropped)
+    # The same words; each utterance's last final sooner.
+    assert " ".join(t for _, t in _finals(log)).split() == (
+        " ".join(t for _, t in _finals(waited)).split()
+    )
+
+    def last_final_of_first_utterance(entries: list[tuple[int, SessionEvent | DecodeJob]]) -> int:
+        first_end = next(e for _, e in entries if isinstance(e, SpeechEndedMessage))
+        return max(
+            fed for fed, e in entries if isinstance(e, FinalMessage) and e.end <= first_end.end
+        )
+
+    assert last_final_of_first_utterance(log) < last_final_of_first_utterance(waited)
+    # A dropped decode that answers after all is ignored.
+    session = Session("late answer")
+    for frame in frames[:60]:
+        session.feed_audio(frame)
+    job = session.next_job()
+    assert job is not None
+    for frame in frames[60:]:
+        session.feed_audio(frame)
+        if session.supersede_job() is not None:
+            break
+    else:
+        pytest.fail("no closing decode replaced the decode in flight")
+    session.events_to_send()
+    session.receive_result(job, _decode_now(ScriptedEngine(), job))
+    assert session.events_to_send() == []
+
+
+def test_word_by_word_finals_never_drop_the_decode_in_flight(speech_dir: Path) -> None:
+    """Word by word a re-decode through the pause makes the last words final before the
+    endpoint; dropping it for the guess held them to the endpoint (session 23)."""
+    frames = _frames_of(_paused_speech(speech_dir, 1.0), chunk_s=0.03)
+    session = Session("words", streaming=StreamingConfig(finals="words"))
+    log, dropped = _drive_slow_lane(session, frames, lane_frames=20, spare_lane=True)
+    assert not dropped
+    assert _finals(log)
+
+
 @pytest.mark.parametrize("by_server", [False, True])
 def test_speech_the_server_cuts_commits_no_word_at_the_audios_very_end(
     speech_dir: Path, by_server: bool

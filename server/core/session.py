@@ -577,6 +577,44 @@ class Session:
         self._in_flight = job
         return job
 
+    def supersede_job(self, *, crowded: bool = False) -> DecodeJob | None:
+        """The utterance's closing decode, to start now in place of the decode in flight, or
+        None. The caller drops the job in flight (its result is never folded in) and asks only
+        while a decode lane is idle that no other stream needs.
+
+        In "utterance" finals the closing decode is a beam search over the whole utterance,
+        and it waited for the decode in flight: a re-decode of the growing window, or a guess
+        at a pause that speech went on after (another beam search). Served, that wait was most
+        of the turn end's tail. Nothing is lost by dropping such a decode: it makes no word
+        final that the closing decode does not, and its partial would be overtaken by the
+        final at the endpoint. Word by word it is not done: there a re-decode through the pause
+        makes the last words final before the endpoint (bench/README.md, session 23).
+        """
+        job = self._in_flight
+        if job is None or not self._utterances or self.streaming.finals != "utterance":
+            return None
+        utt = self._utterances[0]
+        if (
+            (job.closing and not job.speculative)
+            or utt.language is None
+            or utt.unforced_retry is not None
+            or utt.speculation is not None
+        ):
+            return None
+        end = utt.end if utt.end is not None else self._speculative_end(utt, crowded)
+        if (
+            end is None
+            or (job.speculative and job.end_sample == end)
+            or end <= utt.window_start
+            or end - utt.window_start > self._window_cap_s(crowded) * SAMPLE_RATE_HZ
+        ):
+            return None
+        self.log.debug("job %d dropped for the closing decode to %d", job.job_id, end)
+        self._in_flight = None
+        replacement = self.next_job(crowded=crowded)
+        assert replacement is not None and replacement.closing
+        return replacement
+
     def _speculative_end(self, utt: _Utterance, crowded: bool) -> int | None:
         """Where a speculative closing decode of ``utt`` would end, when one is due: the
         open utterance (the only one) heard silence covering its pad, and that end was not

@@ -318,6 +318,12 @@ class Pipeline:
         return self.capacity.stream_hop_s(self._streams)
 
     @property
+    def spare_lane(self) -> bool:
+        """A lane is idle and no other stream needs it: fewer streams than lanes, so a
+        stream may start a second decode beside the one it has in flight."""
+        return self._streams < self.lanes and bool(self._idle_lanes())
+
+    @property
     def crowded(self) -> bool:
         """More streams than lanes: each lane decodes several streams' windows in turn."""
         return self._streams > self.lanes

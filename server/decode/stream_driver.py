@@ -60,6 +60,7 @@ class StreamDriver:
         self.outcome: asyncio.Future[DriverOutcome] = loop.create_future()
         self.log = logging.LoggerAdapter(logger, {"session_id": session.session_id})
         self._decoding: asyncio.Task[None] | None = None
+        self._dropped: set[asyncio.Task[None]] = set()  # decodes a closing decode replaced
         self._embedding: asyncio.Task[None] | None = None
         self._closed = False
         self._overflowed = False
@@ -114,7 +115,7 @@ class StreamDriver:
         decode in flight and stop producing messages."""
         self._closed = True
         self._unregister()
-        tasks = {t for t in (self._decoding, self._embedding) if t is not None}
+        tasks = {t for t in (self._decoding, self._embedding) if t is not None} | self._dropped
         for task in tasks:
             task.cancel()
         if tasks:
@@ -136,6 +137,8 @@ class StreamDriver:
             # Asking for a job can emit messages too: finals of a forced cut, or done when
             # only an empty utterance was left.
             self._flush()
+        elif self.pipeline.spare_lane:
+            self._supersede(self._decoding)
         if self._embedding is None:
             embed_job = self.session.next_speaker_job()
             if embed_job is not None:
@@ -145,6 +148,21 @@ class StreamDriver:
                 )
         if self.session.done:
             self._finish(DriverOutcome.DONE)
+
+    def _supersede(self, decoding: asyncio.Task[None]) -> None:
+        """Start the utterance's closing decode on the spare lane at once, if it replaces the
+        decode in flight (``Session.supersede_job``). The dropped decode's lane finishes it;
+        nobody awaits its result."""
+        job = self.session.supersede_job(crowded=self.pipeline.crowded)
+        if job is None:
+            return
+        decoding.cancel()
+        self._dropped.add(decoding)
+        decoding.add_done_callback(self._dropped.discard)
+        self.pipeline.metrics.decodes_superseded.inc()
+        self._decoding = asyncio.create_task(
+            self._decode(job), name=f"decode-{self.session.session_id}-{job.job_id}"
+        )
 
     def _refresh_job(self, job: DecodeJob) -> DecodeJob:
         return self.session.refresh_job(job, crowded=self.pipeline.crowded)

@@ -62,6 +62,29 @@ def log_softmax(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
     return y - float(np.log(np.sum(np.exp(y))))
 
 
+def top_logprobs(x: npt.NDArray[np.float32], k: int) -> list[tuple[int, float]]:
+    """The ``k`` likeliest tokens of the filtered logits ``x`` with their log-probabilities,
+    likeliest first (of equals, the lower token first); tokens filtered out never.
+
+    The values are ``log_softmax``'s, to the bit. A beam step asks this of every hypothesis:
+    ``argpartition`` over the vocabulary and the whole float64 ``log_softmax`` took 1 ms a
+    hypothesis, a sixth of a beam-5 step on our CPUs; k ``argmax`` calls and one sum take 0.15.
+    """
+    m = float(np.max(x))
+    if not np.isfinite(m):
+        return []
+    lse = float(np.log(np.sum(np.exp(x.astype(np.float64) - m))))
+    rest = x.copy()
+    out: list[tuple[int, float]] = []
+    for _ in range(min(k, x.shape[0])):
+        token = int(np.argmax(rest))
+        if not np.isfinite(rest[token]):
+            break
+        out.append((token, (float(x[token]) - m) - lse))
+        rest[token] = NEG_INF
+    return out
+
+
 def search(
     decoder: StreamingDecoder, requests: list[DecodeRequest], features: list[mx.array]
 ) -> list[DecodeResult]:
@@ -221,18 +244,14 @@ class _Search:
             seq = [*row.full, *h.tokens]
             first = not h.tokens and not self.request.prefix
             x = decoder._filter(logits[h.parent], seq, opts, row.max_ts, first=first)
-            logprobs = log_softmax(x)
             if self.sampling:
+                logprobs = log_softmax(x)
                 p = softmax((x / opts.temperature)[None])[0].astype(np.float64)
                 token = int(self.rng.choice(p.shape[0], p=p / p.sum()))
                 out.append((h.sum_logprob + logprobs[token], h, token, float(logprobs[token])))
                 continue
-            k = min(self.width + 1, logprobs.shape[0])
-            top = np.argpartition(-logprobs, k - 1)[:k]
-            for token in top[np.argsort(-logprobs[top], kind="stable")]:
-                lp = float(logprobs[token])
-                if np.isfinite(lp):
-                    out.append((h.sum_logprob + lp, h, int(token), lp))
+            for token, lp in top_logprobs(x, self.width + 1):
+                out.append((h.sum_logprob + lp, h, token, lp))
         return out
 
     def _select(
