@@ -1638,6 +1638,33 @@ def test_speech_after_a_short_pause_keeps_the_guess_as_an_ordinary_decode(
     _check_accounting(done[0])
 
 
+@pytest.mark.parametrize("finals", ["utterance", "words"])
+def test_a_stream_ended_in_the_pause_after_speech_is_closed_by_the_guess_per_utterance(
+    speech_dir: Path, finals: str
+) -> None:
+    """A client that ends 0.35 s after the last word (a file, push-to-talk). Per utterance the
+    utterance ends where the endpoint would have ended it, so the beam search begun in the
+    pause is the closing decode and nothing is decoded after the end (served, a second beam
+    search over the whole utterance had followed: 367-130732-0002's turn end 2.8-3.1 s). Word
+    by word the closing decode is greedy and cheap, and hears the audio to its end."""
+    clip = load_clip(speech_dir / PAUSED_CLIPS[0])
+    silence = np.zeros(int(0.35 * SAMPLE_RATE_HZ), dtype=np.float32)
+    frames = _frames_of(np.concatenate([clip, silence]), chunk_s=0.03)
+    session = Session("ends", streaming=StreamingConfig(finals=finals))
+    log = _drive_logging_jobs(session, ScriptedEngine(), frames)
+    jobs = [(fed, j) for fed, j in log if isinstance(j, DecodeJob)]
+    fed, last = jobs[-1]
+    (ended,) = [e for _, e in log if isinstance(e, SpeechEndedMessage)]
+    assert round(ended.end * SAMPLE_RATE_HZ) == last.end_sample
+    if finals == "utterance":
+        assert last.speculative and fed <= len(frames)
+        assert last.end_sample < len(clip) + len(silence)
+    else:
+        assert not last.speculative and fed > len(frames)
+        assert last.end_sample == len(clip) + len(silence)
+    assert [e for _, e in log if isinstance(e, FinalMessage)][-1].end <= ended.end
+
+
 def _drive_slow_lane(
     session: Session, frames: Sequence[bytes], *, lane_frames: int, spare_lane: bool
 ) -> tuple[list[tuple[int, SessionEvent | DecodeJob]], list[DecodeJob]]:

@@ -188,6 +188,24 @@ def test_flush_closes_open_speech_at_the_end_of_the_stream() -> None:
     assert vad.flush() == []
 
 
+def test_flush_at_a_pause_that_covered_the_pad_ends_speech_where_the_endpoint_would() -> None:
+    """A client that ends the stream 0.3 s after the last word: ``at_pause``, the utterance ends
+    where 0.5 s of silence would have ended it, so the closing decode begun in that silence
+    holds."""
+    clip = _load(CLIP)
+    endpointed = [
+        e for e in _run(np.concatenate([clip, _silence(1.0)])) if isinstance(e, SpeechEnded)
+    ]
+    vad = VadSegmenter(VadConfig())
+    vad.receive(np.concatenate([clip, _silence(0.3)]))
+    assert vad.in_speech and vad.tentative_end == endpointed[-1].end_sample
+    kept = VadSegmenter(VadConfig())
+    kept.receive(np.concatenate([clip, _silence(0.3)]))
+    assert vad.flush(at_pause=True) == [endpointed[-1]]
+    assert vad.samples_processed > endpointed[-1].end_sample
+    assert kept.flush() == [SpeechEnded(kept.samples_processed)]  # without: all of it
+
+
 def test_segmenter_keeps_working_after_flush() -> None:
     clip = _load(CLIP)
     vad = VadSegmenter(VadConfig())

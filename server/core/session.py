@@ -406,7 +406,14 @@ class Session:
             and self._vad.tentative_end is None
         ):
             self._utterances[-1].cut_in_speech = True
-        for event in self._vad.flush():
+        # A stream that ends in a pause after speech: with a beam-searched closing decode the
+        # utterance ends where the endpoint would have ended it, so the guess begun in the pause
+        # closes it (served per utterance, a second beam search over the whole utterance had
+        # followed: turn end p50 0.77 -> 0.63 s, final p95 3.7 -> 2.0 s). A greedy closing
+        # decode of the rest is cheap and hears the audio to the end, which on test-other
+        # read better (word by word, simulated: 131 errors against 141).
+        at_pause = self.streaming.closing_beam_size > 1
+        for event in self._vad.flush(at_pause=at_pause):
             self._on_vad(event)
         self._close_open_utterance(self._buffer.end, reopen=False)
         self._unsettled = True

@@ -146,8 +146,10 @@ class VadSegmenter:
         self._pending = buffered[whole:].copy()
         return self._process(buffered[:whole], whole)
 
-    def flush(self) -> list[VadEvent]:
-        """Process the buffered partial frame and close an open utterance at the stream's end.
+    def flush(self, *, at_pause: bool = False) -> list[VadEvent]:
+        """Process the buffered partial frame and close an open utterance at the stream's end;
+        with ``at_pause``, where its ``tentative_end`` says when the stream ends in a silence
+        that covered the pad (as the endpoint would have, so a decode begun there holds).
 
         The partial frame is zero-padded to a whole frame for webrtcvad, but only its real
         samples count. The segmenter can keep receiving afterwards; frames then start at the
@@ -162,7 +164,8 @@ class VadSegmenter:
             events = self._process(frame, real)
         if self._in_speech:
             # The speaker may still be talking: keep everything up to the end of the stream.
-            events.append(self._end(self._processed))
+            end = self.tentative_end if at_pause else None
+            events.append(self._end(self._processed if end is None else end))
         self._window.clear()
         return events
 
