@@ -616,10 +616,12 @@ class Session:
             or end - utt.window_start > self._window_cap_s(crowded) * SAMPLE_RATE_HZ
         ):
             return None
-        self.log.debug("job %d dropped for the closing decode to %d", job.job_id, end)
         self._in_flight = None
         replacement = self.next_job(crowded=crowded)
-        assert replacement is not None and replacement.closing
+        if replacement is None:
+            self._in_flight = job  # nothing to start after all: the decode in flight stays
+        else:
+            self.log.debug("job %d dropped for job %d to %d", job.job_id, replacement.job_id, end)
         return replacement
 
     def _speculative_end(self, utt: _Utterance, crowded: bool) -> int | None:
