@@ -413,6 +413,11 @@ async def run_count(
             s.name: [round(x, 3) for x in f.end_of_speech_to_final_s]
             for (s, _, _), f in zip(kept, figures, strict=True)
         },
+        # Every final's latency, per stream in order: the few that make the p95, and where.
+        "final_latency_s_each": {
+            s.name: [round(x, 3) for x in f.final_latencies_s]
+            for (s, _, _), f in zip(kept, figures, strict=True)
+        },
         "wer": round(wer([s.transcript for s, _, _ in kept], [r.text for _, _, r in kept]), 4)
         if kept
         else None,

@@ -125,11 +125,12 @@ class StreamingConfig:
     # In "utterance" finals, a phrase ends at the last pause (silence covering
     # ``speech_pad_ms`` that speech went on after) once the window before it holds this much
     # audio: the speculative closing decode up to that pause (run late if a decode was in
-    # flight while it lasted) gives the phrase's final words, and the utterance goes on in a
-    # new window with them as its prompt. Off (0) by default: the words after each seam
-    # lose their audio context, which on test-other cost 2-6 errors in 895 words for final
-    # p95 6.3 -> 3.2 s on long recordings (bench/README.md, "Phrases"). Off, an utterance's
-    # words become final only at the endpoint (or past half the window cap, word by word).
+    # flight while it lasted) makes the phrase's words final where it agrees with the decode
+    # before it (``CommitPolicy.update``), and the utterance goes on in the same window with
+    # them as its forced prefix. Off (0) by default: on test-other (bench/README.md,
+    # "Phrases") it read 3 and 1 errors fewer than off (short clips, long recordings) but
+    # no shorter final p95. Off, an utterance's words become final only at the endpoint (or
+    # past half the window cap, word by word).
     utterance_phrase_s: float = 0.0
     # One binary audio frame; larger gets an error and 1009. The server's WebSocket frame
     # limit is derived from it, so this is the only place the limit is set.

@@ -80,6 +80,48 @@ def test_short_window_commits_nothing_until_it_closes() -> None:
     assert policy.tentative == []
 
 
+def test_a_phrase_commits_what_it_agrees_on_with_the_decode_before_it() -> None:
+    """The closing decode of a phrase that speech went on after commits, in a window still
+    short of ``min_window_s`` and without right context, the words it shares with the decode
+    before it; a clause it reads twice at the pause stays tentative, and the window goes on."""
+    policy = CommitPolicy(CommitConfig(min_right_context_s=0.8, min_window_s=15.0))
+    before = words(("of", 0.2, 0.4), ("cream,", 0.5, 0.9), ("yolks", 1.0, 1.3), ("and", 1.4, 1.5))
+    twice = words(
+        ("of", 0.2, 0.4),
+        ("cream,", 0.5, 0.9),
+        ("yolks", 1.0, 1.3),
+        ("of", 1.3, 1.35),
+        ("cream,", 1.35, 1.4),
+        ("yolk", 1.4, 1.5),
+    )
+    assert policy.update(before, window_start_s=0.0, window_end_s=1.6, closing=False) == []
+    committed = policy.update(
+        twice, window_start_s=0.0, window_end_s=1.7, closing=False, phrase=True
+    )
+    assert [w.text for w in committed] == [" of", " cream,", " yolks"]
+    assert [w.text for w in policy.tentative] == [" of", " cream,", " yolk"]
+    # The window goes on: what follows waits for it to grow, as before the phrase.
+    later = words(("of", 1.3, 1.35), ("cream,", 1.35, 1.4), ("yolk", 1.4, 1.6))
+    assert policy.update(later, window_start_s=0.0, window_end_s=3.0, closing=False) == []
+
+
+def test_a_phrase_whose_decodes_part_well_before_its_pause_commits_nothing() -> None:
+    """A final that ended seconds before the pause would hold words that waited as long as
+    without phrases, and the words after them would wait on: they all wait for the closing
+    decode of the utterance instead."""
+    policy = CommitPolicy(CommitConfig(phrase_slack_s=1.0, min_window_s=15.0))
+    before = words(("his", 0.0, 0.3), ("followed", 0.3, 0.8), ("the", 0.9, 1.0))
+    phrase = words(("his", 0.0, 0.3), ("father", 0.3, 0.8), ("the", 0.9, 1.0))
+    phrase += words(("king", 1.0, 1.4), ("said", 1.5, 2.8))
+    assert policy.update(before, window_start_s=0.0, window_end_s=1.2, closing=False) == []
+    # "his" agrees, but ends 2.7 s before the pause at 3.0 s.
+    assert (
+        policy.update(phrase, window_start_s=0.0, window_end_s=3.0, closing=False, phrase=True)
+        == []
+    )
+    assert [w.text for w in policy.tentative] == [w.text for w in phrase]
+
+
 def test_window_length_counts_from_the_window_start() -> None:
     policy = CommitPolicy(CommitConfig(min_right_context_s=0.0, min_window_s=2.0))
     late = [Word(w.text, w.start_s + 10, w.end_s + 10) for w in THREE]

@@ -973,9 +973,10 @@ def test_utterance_finals_end_a_long_phrase_at_a_pause_that_speech_goes_on_after
 ) -> None:
     """Once the window holds ``utterance_phrase_s``, the speculative closing decode of a pause
     that speech goes on after is that phrase's closing decode: its words become final then,
-    all together, and the utterance goes on in a new window. No turn ends there (no
-    speech_ended, no Settled), no audio is lost, and the first words of a long utterance
-    wait less for their final than with phrases off."""
+    all together, and the utterance goes on in the same window with the phrase as its forced
+    prefix, so the words after it are still heard with the audio before them. No turn ends
+    there (no speech_ended, no Settled), no audio is lost, and the first words of a long
+    utterance wait less for their final than with phrases off."""
     phrase_s = PHRASE_S
     log = _phrases(speech_dir, phrase_s)
     items = [item for _, item in log]
@@ -983,14 +984,28 @@ def test_utterance_finals_end_a_long_phrase_at_a_pause_that_speech_goes_on_after
     early = _open_finals(log)
     assert early
     last_job: DecodeJob | None = None
+    phrase_ends: list[DecodeJob] = []
     for item in items:
         if isinstance(item, DecodeJob):
+            if phrase_ends and last_job is phrase_ends[-1]:
+                # The next decode: the same window, the phrase's words now its prefix.
+                assert item.start_s == last_job.start_s
+                assert len(item.request.prefix) > len(last_job.request.prefix)
             last_job = item
         elif any(item is f for f in early):
-            # From the speculative closing decode of a window of the phrase's length at least.
-            assert last_job is not None and last_job.speculative and last_job.closing
-            assert last_job.audio_s >= phrase_s
-            assert item.end <= last_job.start_s + last_job.audio_s
+            assert last_job is not None
+            if last_job.speculative:
+                # From the speculative closing decode of a window of the phrase's length.
+                assert last_job.closing and last_job.audio_s >= phrase_s
+                assert item.end <= last_job.start_s + last_job.audio_s
+                phrase_ends.append(last_job)
+            else:
+                # Words of a phrase its closing decode left tentative, on agreement with the
+                # decode after it; or the window went on past half its cap: word by word.
+                assert last_job.audio_s >= UTTERANCE_WINDOW_S / 2 or (
+                    phrase_ends and item.end <= phrase_ends[-1].start_s + phrase_ends[-1].audio_s
+                )
+    assert phrase_ends and early[0].words[0].start < phrase_ends[0].start_s + 1.0
     settled = [i for i, e in enumerate(items) if isinstance(e, Settled)]
     ended = next(i for i, e in enumerate(items) if isinstance(e, SpeechEndedMessage))
     assert settled and min(settled) > ended  # the turn ends at the endpoint only

@@ -54,6 +54,9 @@ class CommitConfig:
     # 2.81 s against 1.42 s; 0.45 s: 14.64%, 2.47 s. Off by default: finals within 2 s first.
     min_agreement_step_s: float = 0.0
     min_word_probability: float = 0.0  # a word below this waits for a later decode
+    # A phrase's closing decode commits what it agrees on with the decode before it only when
+    # that reaches this near the pause (``CommitPolicy.update``).
+    phrase_slack_s: float = 1.0
     past_audio_margin_s: float = 0.06  # closing: a word starting this near the audio end...
     past_audio_min_probability: float = 0.5  # ...and below this probability is dropped
 
@@ -66,12 +69,13 @@ class CommitConfig:
                 self.min_window_s,
                 self.past_audio_margin_s,
                 self.min_agreement_step_s,
+                self.phrase_slack_s,
             )
             < 0
         ):
             raise ValueError(
-                "min_right_context_s, min_window_s, past_audio_margin_s and "
-                "min_agreement_step_s must be >= 0"
+                "min_right_context_s, min_window_s, past_audio_margin_s, "
+                "min_agreement_step_s and phrase_slack_s must be >= 0"
             )
         for name in ("min_word_probability", "past_audio_min_probability"):
             if not 0.0 <= getattr(self, name) <= 1.0:
@@ -103,14 +107,23 @@ class CommitPolicy:
         window_end_s: float,
         closing: bool,
         cut_in_speech: bool = False,
+        phrase: bool = False,
     ) -> list[Word]:
         """Fold in the newest decode's words after the committed ones, in stream time.
 
         ``window_*_s``: the audio that decode heard. ``closing``: it was the window's last
         decode, so everything it returned is committed. ``cut_in_speech``: the audio ends
-        inside speech, so nothing at its very end was heard.
+        inside speech, so nothing at its very end was heard. ``phrase``: it was the closing
+        decode of a phrase that speech went on after, so the words it agrees on with the
+        decode before it commit, however short the window or their right context. Not all
+        of it: a beam search that ends at a short pause can read the phrase's last clause
+        twice (367-130732 at 63.8 s: "... yolks of four eggs, one teaspoon full of butter,
+        one half pint of cream, yolk of four eggs"), and a word the two decodes differ on is
+        better decided by a decode that hears what follows. When the two part well before the
+        pause, nothing commits: the phrase's words wait for the utterance's closing decode,
+        rather than a final ending seconds before the pause.
         """
-        if closing:
+        if closing or phrase:
             tail = self._heard(tail, window_end_s, cut_in_speech=cut_in_speech)
         elif (
             self._voted_end_s is not None
@@ -120,9 +133,13 @@ class CommitPolicy:
             return []
         self._voted_end_s = window_end_s
         self._shown = None
-        committed = self._agreement.update(
-            tail, hold=0 if closing else self._waiting(tail, window_start_s, window_end_s)
-        )
+        if closing:
+            hold = 0
+        elif phrase:
+            hold = self._phrase_waiting(tail, window_end_s)
+        else:
+            hold = self._waiting(tail, window_start_s, window_end_s)
+        committed = self._agreement.update(tail, hold=hold)
         if closing:
             committed += self._agreement.finalize()
         return committed
@@ -160,6 +177,19 @@ class CommitPolicy:
             ):
                 return len(tail) - k
         return 0
+
+    def _phrase_waiting(self, tail: Sequence[Word], window_end_s: float) -> int:
+        """How many words at the end of a phrase's ``tail`` wait: those after its agreement with
+        the decode before it, or all when that agreement ends ``phrase_slack_s`` or more
+        before the pause."""
+        agreed = 0
+        for old, new in zip(self._agreement.tentative, tail, strict=False):
+            if normalize_word(old.text) != normalize_word(new.text):
+                break
+            agreed += 1
+        if agreed == 0 or window_end_s - tail[agreed - 1].end_s > self.config.phrase_slack_s:
+            return len(tail)
+        return len(tail) - agreed
 
     def finalize(self) -> list[Word]:
         """Commit the tentative words now (the window is given up or force-cut)."""

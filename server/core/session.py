@@ -787,15 +787,14 @@ class Session:
         job, self._in_flight = self._in_flight, None  # as last refreshed
         utt = self._utterances[0]
         overtaken = job.speculative and utt.end != job.end_sample
+        phrase = False
         if overtaken:
             if utt.end is None and self._vad.tentative_end == job.end_sample:
                 utt.speculation = (job, result)  # the endpoint may still come there
                 return
-            if self._ends_phrase(utt, job):
-                self._close_open_utterance(job.end_sample, reopen=True)
-                overtaken = False
-            else:
-                job = dataclasses.replace(job, closing=False, speculative=False)
+            phrase = self._ends_phrase(utt, job)
+            overtaken = not phrase
+            job = dataclasses.replace(job, closing=False, speculative=False)
         utt.heard_to = max(utt.heard_to, job.end_sample)
         if utt.language is None and not self._settle_language(utt, job, result):
             self._maybe_done()
@@ -823,6 +822,8 @@ class Session:
             window_end_s=job.start_s + job.audio_s,
             closing=job.closing,
             cut_in_speech=utt.cut_in_speech and job.end_sample == utt.end,
+            # The utterance goes on in the same window, the phrase's final words its prefix.
+            phrase=phrase,
         )
         utt.tentative = utt.policy.tentative
         self._commit(utt, committed)

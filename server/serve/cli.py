@@ -156,9 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--utterance-phrase-s",
         type=float,
         default=StreamingConfig().utterance_phrase_s,
-        help="with 'utterance' finals, a window this long ends at its last pause that speech "
-        "went on after, and its words become final there (sooner, a little less accurate); "
-        "0: only at the end of speech (default %(default)s)",
+        help="with 'utterance' finals, a window this long ends a phrase at its last pause that "
+        "speech went on after: the words two decodes agree on up to there become final "
+        "(sooner for some words); 0: only at the end of speech (default %(default)s)",
     )
     streaming.add_argument(
         "--speculative-closing",
