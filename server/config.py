@@ -180,7 +180,8 @@ class StreamingConfig:
     def with_finals(self, finals: str) -> StreamingConfig:
         """This config as a stream with ``finals`` runs it. "utterance": windows to
         ``UTTERANCE_WINDOW_S`` whatever the load (a window cut at its cap commits words
-        unchecked), nothing committed before half of that, and a beam-searched closing decode."""
+        unchecked), nothing committed before the utterance holds half of that (the session
+        counts ``min_window_s`` from its start), and a beam-searched closing decode."""
         if finals != "utterance":
             return dataclasses.replace(self, finals=finals)  # __post_init__ checks the name
         return dataclasses.replace(

@@ -931,11 +931,15 @@ def _longest_wait_for_final_s(log: list[tuple[int, SessionEvent | DecodeJob]]) -
 
 def test_utterance_finals_go_word_by_word_past_half_the_window(speech_dir: Path) -> None:
     """An utterance longer than half of ``UTTERANCE_WINDOW_S`` gets finals as it goes, so a
-    speaker who never pauses still sees text become final; never from a window shorter
-    than that, and no window longer than the cap. (Phrases off: with them, the pauses in
-    this reading end phrases first.)"""
+    speaker who never pauses still sees text become final; never before the utterance holds
+    that much, and no window longer than the cap. A window cut past that (here at the cap)
+    goes on word by word: its words do not wait for half a window again. (Phrases off: with
+    them, the pauses in this reading end phrases first.)"""
     log = _utterance_finals_of_long_speech(speech_dir, 0.0)
-    assert max(job.audio_s for _, job in log if isinstance(job, DecodeJob)) <= UTTERANCE_WINDOW_S
+    jobs = [job for _, job in log if isinstance(job, DecodeJob)]
+    assert max(job.audio_s for job in jobs) <= UTTERANCE_WINDOW_S
+    assert len({job.start_s for job in jobs}) > 1  # the window was cut
+    starts = [e.start for _, e in log if isinstance(e, SpeechStartedMessage)]
     early = _open_finals(log)
     assert early
     # Each final of an open utterance comes from the decode just before it in the log.
@@ -945,7 +949,18 @@ def test_utterance_finals_go_word_by_word_past_half_the_window(speech_dir: Path)
             last_job = item
         elif any(item is f for f in early):
             assert last_job is not None and not last_job.closing
-            assert last_job.audio_s >= UTTERANCE_WINDOW_S / 2
+            onset = max(s for s in starts if s <= last_job.start_s)
+            end_s = last_job.start_s + last_job.audio_s
+            assert end_s - onset >= UTTERANCE_WINDOW_S / 2
+    # From its first final on, no word of the utterance waits long for its own.
+    first = next(fed for fed, e in log if any(e is f for f in early))
+    waits = [
+        fed * 0.1 - w.end
+        for fed, e in log
+        if isinstance(e, FinalMessage) and fed > first
+        for w in e.words
+    ]
+    assert max(waits) < 4.0
 
 
 PHRASE_CLIPS = (  # 10 s, 3 s and 5 s of one reader, joined by pauses shorter than the endpoint

@@ -818,7 +818,12 @@ class Session:
         utt.draft = result.sequence
         committed = utt.policy.update(
             tail,
-            window_start_s=job.start_s,
+            # Per utterance, "nothing final before half the window" counts from the
+            # utterance's start: a window cut past that (at its cap, after a sentence) goes on
+            # word by word, where it waited for 15 s of new window (LJ long: no final for 10 s).
+            window_start_s=utt.start / SAMPLE_RATE_HZ
+            if self.streaming.finals == "utterance"
+            else job.start_s,
             window_end_s=job.start_s + job.audio_s,
             closing=job.closing,
             cut_in_speech=utt.cut_in_speech and job.end_sample == utt.end,
