@@ -77,17 +77,11 @@ class LocalAgreement:
         """
         if hold < 0:
             raise ValueError(f"hold must be >= 0; got {hold}")
+        agreed = self.agreed(tail)
         self._tails.append(list(tail))
         if len(self._tails) < self._n:
             return []
         newest = self._tails[-1]
-        agreed = 0
-        # Tails differ in length; agreement cannot reach past the shortest one.
-        for column in zip(*self._tails, strict=False):
-            first = normalize_word(column[0].text)
-            if any(normalize_word(word.text) != first for word in column[1:]):
-                break
-            agreed += 1
         agreed = min(agreed, max(0, len(newest) - hold))
         if agreed == 0:
             return []
@@ -96,6 +90,21 @@ class LocalAgreement:
         for i, old in enumerate(self._tails):
             self._tails[i] = old[agreed:]
         return committed
+
+    def agreed(self, tail: Sequence[Word]) -> int:
+        """How many leading words of ``tail`` the last n - 1 tails agree on (compared with
+        ``normalize_word``): what ``update(tail)`` would commit with no words held."""
+        if len(self._tails) < self._n - 1:
+            return 0
+        earlier = list(self._tails)[len(self._tails) - (self._n - 1) :]
+        agreed = 0
+        # Tails differ in length; agreement cannot reach past the shortest one.
+        for column in zip(*earlier, tail, strict=False):
+            first = normalize_word(column[0].text)
+            if any(normalize_word(word.text) != first for word in column[1:]):
+                break
+            agreed += 1
+        return agreed
 
     def finalize(self) -> list[Word]:
         """Commit and return the tentative words (end of speech or a flush), then clear."""

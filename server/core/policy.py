@@ -182,11 +182,7 @@ class CommitPolicy:
         """How many words at the end of a phrase's ``tail`` wait: those after its agreement with
         the decode before it, or all when that agreement ends ``phrase_slack_s`` or more
         before the pause."""
-        agreed = 0
-        for old, new in zip(self._agreement.tentative, tail, strict=False):
-            if normalize_word(old.text) != normalize_word(new.text):
-                break
-            agreed += 1
+        agreed = self._agreement.agreed(tail)
         if agreed == 0 or window_end_s - tail[agreed - 1].end_s > self.config.phrase_slack_s:
             return len(tail)
         return len(tail) - agreed
