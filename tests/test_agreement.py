@@ -244,3 +244,18 @@ def test_hold_keeps_the_last_words_of_the_newest_tail_tentative() -> None:
     assert [w.text for w in la.tentative] == [" what"]
     with pytest.raises(ValueError):
         la.update(longer, hold=-1)
+
+
+def test_at_least_commits_past_a_disagreement_from_the_newest_tail_but_never_held_words() -> None:
+    la = LocalAgreement(2)
+    # Nothing commits from the first tail alone, however many words are asked for.
+    assert la.update(words("at present concerned differs from"), at_least=3) == []
+    newest = words("at present concern differs from most")
+    committed = la.update(newest, hold=2, at_least=4)
+    # Past "concern" (the tails differ there), with the newest tail's words; never the held.
+    assert texts(committed) == "at present concern differs"
+    assert texts(la.tentative) == "from most"
+    # The next tail is compared after the committed words, as after any commit.
+    assert texts(la.update(words("from most if", 2.0))) == "from most"
+    with pytest.raises(ValueError):
+        la.update(newest, at_least=-1)

@@ -53,6 +53,15 @@ def test_auto_is_one_lane_per_core_on_the_cpu() -> None:
             "-1",
             "min_right_context_s",
         ),
+        # and, per utterance, the context past which two decodes need not agree
+        (
+            "--utterance-settled-context-s",
+            "utterance_settled_context_s",
+            lambda: StreamingConfig().utterance_settled_context_s,
+            "3",
+            "-1",
+            "utterance_settled_context_s must be >= 0",
+        ),
         # utterance phrases have a flag, checked against the utterance window
         (
             "--utterance-phrase-s",

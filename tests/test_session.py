@@ -305,6 +305,26 @@ def test_hard_clips_with_utterance_finals_stream_as_accurately_as_offline_beam_s
     )
 
 
+@pytest.mark.slow
+def test_a_long_utterances_first_final_is_not_held_at_an_old_difference(
+    engine: Engine, speech_dir: Path
+) -> None:
+    """Per utterance, a 21.5 s utterance gets no final before it holds 15 s; then the words
+    two decodes read differently far back (more than ``utterance_settled_context_s`` before
+    the audio's end) no longer hold every word after them. Measured when this was written
+    (modelled cost): finals 3.2, 2.0, 2.1, 1.9, 2.1, 2.0 and 2.8 s after their last word; with
+    the rule off, the first two came 14.9 and 12.8 s after theirs."""
+    audio = load_clip(speech_dir / "librispeech_test-other/3331-159605-0008.wav")
+    config = StreamingConfig(finals="utterance")
+    result = simulate(engine, audio, streaming=config, decode_cost_s=modelled_cost_s)
+    timed = [(e.at_s, e.message) for e in result.events if isinstance(e.message, FinalMessage)]
+    assert len(timed) >= 3  # word by word past 15 s, then the closing decode
+    assert min(at for at, _ in timed) >= UTTERANCE_WINDOW_S / 2
+    assert max(at - final.end for at, final in timed) < 4.0, [
+        (round(at - final.end, 2), final.text) for at, final in timed
+    ]
+
+
 # Long sentences with no pause to cut in: at a 4 s window every cut lands inside speech.
 CUT_CLIPS = [f"ljspeech/LJ001-00{n}.wav" for n in ("01", "03", "14", "27")]
 
@@ -1084,6 +1104,11 @@ def test_finals_may_be_chosen_per_stream_and_are_checked() -> None:
     server_default = Session("default", streaming=StreamingConfig(finals="utterance"))
     assert server_default.streaming.finals == "utterance"
     assert server_default.streaming.commit.min_window_s == UTTERANCE_WINDOW_S / 2
+    assert (
+        server_default.streaming.commit.settled_context_s
+        == StreamingConfig().utterance_settled_context_s
+        > 0
+    )
     server_default.configure(StreamSettings(finals="words"))
     assert server_default.streaming == StreamingConfig(finals="words")
     with pytest.raises(ProtocolError, match="finals must be one of words, utterance"):

@@ -67,17 +67,19 @@ class LocalAgreement:
         """The newest tail without the words committed from it: shown, but may still change."""
         return list(self._tails[-1]) if self._tails else []
 
-    def update(self, tail: Sequence[Word], *, hold: int = 0) -> list[Word]:
+    def update(self, tail: Sequence[Word], *, hold: int = 0, at_least: int = 0) -> list[Word]:
         """Take the newest hypothesis (the words after the committed ones) and commit.
 
         Returns the newly committed words: the longest prefix on which the last n tails agree
         (compared with ``normalize_word``), with the text and times of the newest tail.
         The newest tail's last ``hold`` words are never committed here: the word at the very
         end of the audio is often cut off, and Whisper punctuates it as if the speaker stopped.
+        Its first ``at_least`` words commit whether or not the earlier tails agree (still
+        never the held ones), once n tails have arrived.
         """
-        if hold < 0:
-            raise ValueError(f"hold must be >= 0; got {hold}")
-        agreed = self.agreed(tail)
+        if hold < 0 or at_least < 0:
+            raise ValueError(f"hold and at_least must be >= 0; got {hold}, {at_least}")
+        agreed = max(self.agreed(tail), at_least)
         self._tails.append(list(tail))
         if len(self._tails) < self._n:
             return []

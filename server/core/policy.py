@@ -9,6 +9,8 @@ that bench/accuracy.py measured, one by one, against offline decoding of the sam
 - a window commits nothing before it holds ``min_window_s`` of audio (the first words of an
   utterance decoded from a second of audio are where tiny.en is weakest);
 - a word whose probability is below ``min_word_probability`` waits, and the words after it;
+- a word the newest decode heard ``settled_context_s`` of audio after commits without the
+  decode before agreeing on it (nor on the words before it);
 - the closing decode of a window (end of speech, flush, end) commits everything that is left,
   except what follows a doubtful word placed at the very end of the audio: word alignment
   puts the words it finds no audio for there, with zero length (seen: "and the first one is
@@ -54,6 +56,11 @@ class CommitConfig:
     # 2.81 s against 1.42 s; 0.45 s: 14.64%, 2.47 s. Off by default: finals within 2 s first.
     min_agreement_step_s: float = 0.0
     min_word_probability: float = 0.0  # a word below this waits for a later decode
+    # A word the newest decode heard this much audio after commits, and every word before
+    # it, even where the decode before read it differently: both heard it whole, and waiting
+    # for a third decode holds every word after it. 0: off, as in "words" finals; "utterance"
+    # finals turn it on (``StreamingConfig.utterance_settled_context_s``).
+    settled_context_s: float = 0.0
     # A phrase's closing decode commits what it agrees on with the decode before it only when
     # that reaches this near the pause (``CommitPolicy.update``).
     phrase_slack_s: float = 1.0
@@ -70,12 +77,13 @@ class CommitConfig:
                 self.past_audio_margin_s,
                 self.min_agreement_step_s,
                 self.phrase_slack_s,
+                self.settled_context_s,
             )
             < 0
         ):
             raise ValueError(
                 "min_right_context_s, min_window_s, past_audio_margin_s, "
-                "min_agreement_step_s and phrase_slack_s must be >= 0"
+                "min_agreement_step_s, phrase_slack_s and settled_context_s must be >= 0"
             )
         for name in ("min_word_probability", "past_audio_min_probability"):
             if not 0.0 <= getattr(self, name) <= 1.0:
@@ -133,13 +141,15 @@ class CommitPolicy:
             return []
         self._voted_end_s = window_end_s
         self._shown = None
+        settled = 0
         if closing:
             hold = 0
         elif phrase:
             hold = self._phrase_waiting(tail, window_end_s)
         else:
             hold = self._waiting(tail, window_start_s, window_end_s)
-        committed = self._agreement.update(tail, hold=hold)
+            settled = self._settled(tail, window_end_s)
+        committed = self._agreement.update(tail, hold=hold, at_least=settled)
         if closing:
             committed += self._agreement.finalize()
         return committed
@@ -177,6 +187,18 @@ class CommitPolicy:
             ):
                 return len(tail) - k
         return 0
+
+    def _settled(self, tail: Sequence[Word], window_end_s: float) -> int:
+        """How many leading words of ``tail`` the decode heard ``settled_context_s`` of audio
+        after (none when that rule is off)."""
+        c = self.config
+        if c.settled_context_s <= 0:
+            return 0
+        settled = 0
+        for k, word in enumerate(tail):
+            if window_end_s - word.end_s >= c.settled_context_s:
+                settled = k + 1
+        return settled
 
     def _phrase_waiting(self, tail: Sequence[Word], window_end_s: float) -> int:
         """How many words at the end of a phrase's ``tail`` wait: those after its agreement with

@@ -5,6 +5,7 @@
                        [--batch-wait-ms 5] [--decode-lanes auto] [--min-right-context-s 0.8]
                        [--closing-beam-size 1] [--finals utterance|words]
                        [--agent-finals words|utterance] [--utterance-phrase-s 0]
+                       [--utterance-settled-context-s 1.5]
                        [--max-sessions 32] [--no-capacity-limit] [--capacity N]
                        [--capacity-hop-s 1] [--capacity-utilization 0.8]
                        [--admission-utilization 0.7]
@@ -159,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with 'utterance' finals, a window this long ends a phrase at its last pause that "
         "speech went on after: the words two decodes agree on up to there become final "
         "(sooner for some words); 0: only at the end of speech (default %(default)s)",
+    )
+    streaming.add_argument(
+        "--utterance-settled-context-s",
+        type=float,
+        default=StreamingConfig().utterance_settled_context_s,
+        help="with 'utterance' finals, past half the window a word with this much audio after "
+        "it becomes final even where two decodes read it differently; 0: only words two "
+        "decodes agree on (default %(default)s)",
     )
     streaming.add_argument(
         "--speculative-closing",
@@ -339,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             finals=args.finals,
             agent_finals=args.agent_finals,
             utterance_phrase_s=args.utterance_phrase_s,
+            utterance_settled_context_s=args.utterance_settled_context_s,
             commit=CommitConfig(min_right_context_s=args.min_right_context_s),
             speakers=SpeakerConfig(enabled=args.speakers),
         )
