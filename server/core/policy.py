@@ -190,15 +190,14 @@ class CommitPolicy:
 
     def _settled(self, tail: Sequence[Word], window_end_s: float) -> int:
         """How many leading words of ``tail`` the decode heard ``settled_context_s`` of audio
-        after (none when that rule is off)."""
+        after, each of them (none when that rule is off)."""
         c = self.config
         if c.settled_context_s <= 0:
             return 0
-        settled = 0
         for k, word in enumerate(tail):
-            if window_end_s - word.end_s >= c.settled_context_s:
-                settled = k + 1
-        return settled
+            if window_end_s - word.end_s < c.settled_context_s:
+                return k
+        return len(tail)
 
     def _phrase_waiting(self, tail: Sequence[Word], window_end_s: float) -> int:
         """How many words at the end of a phrase's ``tail`` wait: those after its agreement with
