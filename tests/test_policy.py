@@ -37,30 +37,31 @@ def test_agreement_is_still_required_with_enough_context() -> None:
     assert [w.text for w in policy.tentative] == [" father"]
 
 
+# Two decodes that read one word differently (LJ long: "concerned" and "concern").
+CONCERNED = words(
+    ("at", 0.0, 0.3),
+    ("present", 0.3, 0.8),
+    ("concerned", 0.8, 1.4),
+    ("differs", 1.4, 2.0),
+    ("from", 2.0, 2.4),
+)
+CONCERN = [
+    *CONCERNED[:2],
+    *words(("concern", 0.8, 1.3)),
+    *CONCERNED[3:],
+    *words(("most", 2.5, 3.0)),
+]
+
+
 def test_a_word_heard_with_settled_context_commits_where_the_decodes_differ() -> None:
     """A word with ``settled_context_s`` of audio after it in the newest decode commits, and
     the words before it, whatever the decode before said; later words still need agreement."""
     policy = CommitPolicy(
         CommitConfig(min_right_context_s=0.8, min_window_s=0.0, settled_context_s=3.0)
     )
-    first = words(
-        ("at", 0.0, 0.3),
-        ("present", 0.3, 0.8),
-        ("concerned", 0.8, 1.4),
-        ("differs", 1.4, 2.0),
-        ("from", 2.0, 2.4),
-    )
-    second = words(
-        ("at", 0.0, 0.3),
-        ("present", 0.3, 0.8),
-        ("concern", 0.8, 1.3),
-        ("differs", 1.4, 2.0),
-        ("from", 2.0, 2.4),
-        ("most", 2.5, 3.0),
-    )
-    assert policy.update(first, window_start_s=0.0, window_end_s=4.0, closing=False) == []
+    assert policy.update(CONCERNED, window_start_s=0.0, window_end_s=4.0, closing=False) == []
     # Window ends at 4.5 s: "concern" has 3.2 s after it, "differs" 2.5 s.
-    committed = policy.update(second, window_start_s=0.0, window_end_s=4.5, closing=False)
+    committed = policy.update(CONCERN, window_start_s=0.0, window_end_s=4.5, closing=False)
     assert [w.text for w in committed] == [" at", " present", " concern"]
     assert [w.text for w in policy.tentative] == [" differs", " from", " most"]
 
@@ -69,10 +70,8 @@ def test_without_settled_context_a_difference_holds_every_word_after_it() -> Non
     """Off by default ("words" finals): however much audio follows, a word the decodes read
     differently waits, and every word after it."""
     policy = CommitPolicy(CommitConfig(min_right_context_s=0.8, min_window_s=0.0))
-    first = words(("at", 0.0, 0.3), ("present", 0.3, 0.8), ("concerned", 0.8, 1.4))
-    second = words(("at", 0.0, 0.3), ("present", 0.3, 0.8), ("concern", 0.8, 1.3))
-    assert policy.update(first, window_start_s=0.0, window_end_s=8.0, closing=False) == []
-    committed = policy.update(second, window_start_s=0.0, window_end_s=9.0, closing=False)
+    assert policy.update(CONCERNED, window_start_s=0.0, window_end_s=8.0, closing=False) == []
+    committed = policy.update(CONCERN, window_start_s=0.0, window_end_s=9.0, closing=False)
     assert [w.text for w in committed] == [" at", " present"]
 
 
