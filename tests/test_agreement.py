@@ -259,3 +259,43 @@ def test_at_least_commits_past_a_disagreement_from_the_newest_tail_but_never_hel
     assert texts(la.update(words("from most if", 2.0))) == "from most"
     with pytest.raises(ValueError):
         la.update(newest, at_least=-1)
+
+
+def _split_punctuation(text: str) -> list[Word]:
+    """Words as the engine splits them: a punctuation mark is a word of its own, with no
+    leading space and no length, at the end of the word before it."""
+    out: list[Word] = []
+    for token in text.split():
+        if normalize_word(token):
+            start = out[-1].end_s if out else 0.0
+            out.append(Word(f" {token}", start, start + 0.5))
+        else:
+            out.append(Word(token, out[-1].end_s, out[-1].end_s))
+    return out
+
+
+def test_a_word_waits_for_the_punctuation_the_newest_tail_puts_after_it() -> None:
+    la = LocalAgreement(2, marks_wait=True)
+    la.update(_split_punctuation("to me and I"))
+    # The tails agree on "to me", but the newest puts a comma after "me" that the one before
+    # did not: "me" waits, so that it and its comma go out in one final.
+    assert texts(la.update(_split_punctuation("to me , and I know"), hold=2)) == "to"
+    assert [w.text for w in la.update(_split_punctuation("me , and I know it"), hold=2)] == [
+        " me",
+        ",",
+        " and",
+        " I",
+    ]
+    # Read without the comma, the word needs no wait.
+    la = LocalAgreement(2, marks_wait=True)
+    la.update(_split_punctuation("so it is"))
+    assert texts(la.update(_split_punctuation("so it is clear"), hold=1)) == "so it is"
+    # The closing decode takes what is left, marks and all.
+    la.update(_split_punctuation("clear ."))
+    assert [w.text for w in la.finalize()] == [" clear", "."]
+
+
+def test_by_default_a_word_commits_without_the_punctuation_after_it() -> None:
+    la = LocalAgreement(2)
+    la.update(_split_punctuation("to me and I"))
+    assert texts(la.update(_split_punctuation("to me , and I know"), hold=2)) == "to me"

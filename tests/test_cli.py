@@ -113,6 +113,15 @@ def test_the_speculative_closing_decode_is_on_unless_turned_off() -> None:
     assert parser.parse_args(["--no-speculative-closing"]).speculative_closing is False
 
 
+def test_the_cut_inside_a_long_utterances_finals_is_on_unless_turned_off() -> None:
+    parser = build_parser()
+    default = StreamingConfig().utterance_cut_inside_commit
+    assert parser.parse_args([]).utterance_cut_inside_commit is default
+    assert (
+        parser.parse_args(["--no-utterance-cut-inside-commit"]).utterance_cut_inside_commit is False
+    )
+
+
 def test_finals_default_per_utterance_for_v1_and_word_by_word_for_voice_agents() -> None:
     parser = build_parser()
     defaults = parser.parse_args([])

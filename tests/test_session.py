@@ -983,6 +983,53 @@ def test_utterance_finals_go_word_by_word_past_half_the_window(speech_dir: Path)
     assert max(waits) < 4.0
 
 
+class SentencesEngine(ScriptedEngine):
+    """Ends a sentence at every ``SENTENCE_WORDS``-th word of a window."""
+
+    SENTENCE_WORDS = 6
+
+    def _result(self, window: Window) -> DecodeResult:
+        full = super()._result(window)
+        words = tuple(
+            dataclasses.replace(w, word=w.word + ".") if k % self.SENTENCE_WORDS == 5 else w
+            for k, w in enumerate(full.words)
+        )
+        return dataclasses.replace(full, words=words, text="".join(w.word for w in words))
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_a_long_utterances_first_commit_cuts_the_window_after_its_last_sentence_end(
+    speech_dir: Path, inside: bool
+) -> None:
+    """Per utterance, the first commit past half the window holds 15 s of words: the window
+    is cut after the last sentence end among them, the words after it carried as the forced
+    prefix, so the word-by-word decodes after it hear seconds, not the whole utterance. No
+    word is lost or sent twice. (``utterance_cut_inside_commit`` off: only a commit whose
+    last word ends a sentence cuts.)"""
+    session = Session("long", streaming=StreamingConfig(utterance_cut_inside_commit=inside))
+    session.configure(StreamSettings(finals="utterance"))
+    clip = load_clip(speech_dir / LONG_SPEECH_CLIP)[: 40 * SAMPLE_RATE_HZ]
+    log = _drive_logging_jobs(session, SentencesEngine(), _frames_of(clip, chunk_s=0.1))
+    items = [item for _, item in log]
+    first = next(k for k, e in enumerate(items) if any(e is f for f in _open_finals(log)))
+    assert isinstance(items[first], FinalMessage)
+    before = [e for e in items[:first] if isinstance(e, DecodeJob)][-1]
+    after = next(e for e in items[first:] if isinstance(e, DecodeJob))
+    words = items[first].words
+    ends = [w for w in words if w.word.endswith(".")]
+    if inside:
+        assert ends and ends[-1] is not words[-1]
+        carried = [w for w in words if w.start >= after.start_s - 1e-6]
+        assert after.start_s == pytest.approx(words[words.index(ends[-1]) - 1].start, abs=1e-3)
+        assert len(after.request.prefix) == len(carried) > SentencesEngine.SENTENCE_WORDS // 2
+    else:
+        assert words[-1].word.endswith(".") or after.start_s == before.start_s
+    finals = [e for e in items if isinstance(e, FinalMessage)]
+    sent = [w for f in finals for w in f.words]
+    for a, b in pairwise(sent):  # none sent twice, none skipped
+        assert a.end <= b.start + 1e-6 and b.start - a.end < ScriptedEngine.WORD_S, (a, b)
+
+
 PHRASE_CLIPS = (  # 10 s, 3 s and 5 s of one reader, joined by pauses shorter than the endpoint
     "librispeech_test-clean/1089-134686-0000.wav",
     "librispeech_test-clean/1089-134686-0001.wav",
@@ -1109,8 +1156,10 @@ def test_finals_may_be_chosen_per_stream_and_are_checked() -> None:
         == StreamingConfig().utterance_settled_context_s
         > 0
     )
+    assert server_default.streaming.commit.marks_wait
     server_default.configure(StreamSettings(finals="words"))
     assert server_default.streaming == StreamingConfig(finals="words")
+    assert not server_default.streaming.commit.marks_wait
     with pytest.raises(ProtocolError, match="finals must be one of words, utterance"):
         Session("bad").configure(StreamSettings(finals="sentence"))
 
@@ -1152,6 +1201,37 @@ def test_speech_after_an_early_end_of_text_is_decoded_again(speech_dir: Path) ->
         assert end - last_word < 1.5, (end, [(f.start, f.end) for f in finals])
 
 
+def _early_end_finals(speech_dir: Path, finals: str) -> tuple[list[float], list[FinalMessage]]:
+    """A 12 s stretch of LJ long sent at once to an engine that hears only the first 4 s of
+    each window: the speech ends and the finals of a session with ``finals``."""
+    session = Session("early")
+    session.configure(StreamSettings(finals=finals))
+    clip = load_clip(speech_dir / SETTLED_LONG_CLIP)[: 12 * SAMPLE_RATE_HZ]
+    silence = np.zeros(2 * SAMPLE_RATE_HZ, dtype=np.float32)
+    events = _drive(session, EarlyEndEngine(), [pcm_s16le_bytes(np.concatenate([clip, silence]))])
+    ends = [e.end for e in events if isinstance(e, SpeechEndedMessage)]
+    return ends, [e for e in events if isinstance(e, FinalMessage)]
+
+
+def test_utterance_finals_send_the_tail_decoded_after_an_early_end_with_the_rest(
+    speech_dir: Path,
+) -> None:
+    """Per utterance, a closing decode that stops seconds before the utterance's end is
+    followed by a decode of the tail, and the two send one final: the utterance's words
+    together, as "utterance" finals promise. Word by word, each goes out when decoded."""
+    ends, finals = _early_end_finals(speech_dir, "utterance")
+    assert max(b - a for a, b in pairwise([0.0, *ends])) > 2 * EarlyEndEngine.HEARD_S
+    assert len(finals) == len(ends), [(f.start, f.end) for f in finals]
+    for final, end in zip(finals, ends, strict=True):
+        assert end - final.end < 1.5, (end, final.end)
+    words = [w for f in finals for w in f.words]
+    for a, b in pairwise(words):  # none sent twice, none skipped
+        assert a.end <= b.start + 1e-6 and b.start - a.end < ScriptedEngine.WORD_S, (a, b)
+
+    ends, finals = _early_end_finals(speech_dir, "words")
+    assert len(finals) > len(ends)
+
+
 def test_speech_given_up_after_failed_decodes_is_reported(speech_dir: Path) -> None:
     engine = ScriptedEngine()
     session = Session("failing")
@@ -1176,6 +1256,33 @@ def test_speech_given_up_after_failed_decodes_is_reported(speech_dir: Path) -> N
     assert done.failed_s == pytest.approx(done.speech_s / 2, abs=0.3)
     assert done.transcribed_s == pytest.approx(done.speech_s / 2, abs=0.3)
     assert [f.segment_id for f in events if isinstance(f, FinalMessage)] == [0]
+
+
+def test_words_held_for_a_tail_that_cannot_be_decoded_are_still_sent(speech_dir: Path) -> None:
+    """Per utterance, the closing decode's words wait for the tail decode after an early end;
+    when that decode fails every time, they go out on their own."""
+    engine = EarlyEndEngine()
+    session = Session("held")
+    session.configure(StreamSettings(finals="utterance"))
+    clip = load_clip(speech_dir / "librispeech_test-clean/1089-134686-0000.wav")
+    silence = np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)
+    session.feed_audio(pcm_s16le_bytes(np.concatenate([clip, silence])))
+    session.end()
+    closing = session.next_job()
+    assert closing is not None and closing.closing
+    session.receive_result(closing, _scripted_decode(engine, closing))
+    assert not [e for e in session.events_to_send() if isinstance(e, FinalMessage)]
+    while (job := session.next_job()) is not None:  # the tail decode
+        assert job.start_s > closing.start_s
+        session.receive_failure(job, DecodeError("scripted failure"))
+    events = session.events_to_send()
+    [final] = [e for e in events if isinstance(e, FinalMessage)]
+    assert final.end <= EarlyEndEngine.HEARD_S + closing.start_s
+    assert final.end > EarlyEndEngine.HEARD_S + closing.start_s - 1.0
+    errors = [e for e in events if isinstance(e, ErrorMessage)]
+    assert [e.code for e in errors] == ["decode_failed"] * MAX_DECODE_FAILURES
+    [done] = [e for e in events if isinstance(e, DoneMessage)]
+    _check_accounting(done)
 
 
 # --------------------------------------------------------------------------- fuzzing

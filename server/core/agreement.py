@@ -50,10 +50,11 @@ class LocalAgreement:
     tail. A word is returned at most once, by ``update`` or ``finalize``, and never retracted.
     """
 
-    def __init__(self, n: int = 2) -> None:
+    def __init__(self, n: int = 2, *, marks_wait: bool = False) -> None:
         if n < 1:
             raise ValueError(f"n must be >= 1; got {n}")
         self._n = n
+        self._marks_wait = marks_wait
         # The last n tails, each already trimmed of the words committed after it arrived.
         self._tails: collections.deque[list[Word]] = collections.deque(maxlen=n)
 
@@ -75,7 +76,10 @@ class LocalAgreement:
         The newest tail's last ``hold`` words are never committed here: the word at the very
         end of the audio is often cut off, and Whisper punctuates it as if the speaker stopped.
         Its first ``at_least`` words commit whether or not the earlier tails agree (still
-        never the held ones), once n tails have arrived.
+        never the held ones), once n tails have arrived. With ``marks_wait``, a word the
+        newest tail puts a punctuation mark after commits with the mark or not at all: a
+        final that begins with the comma of the one before reads "to me , and" where finals
+        are joined.
         """
         if hold < 0 or at_least < 0:
             raise ValueError(f"hold and at_least must be >= 0; got {hold}, {at_least}")
@@ -85,6 +89,12 @@ class LocalAgreement:
             return []
         newest = self._tails[-1]
         agreed = min(agreed, max(0, len(newest) - hold))
+        while (
+            self._marks_wait
+            and 0 < agreed < len(newest)
+            and not normalize_word(newest[agreed].text)
+        ):
+            agreed -= 1
         if agreed == 0:
             return []
         committed = newest[:agreed]

@@ -61,6 +61,14 @@ class CommitConfig:
     # for a third decode holds every word after it. 0: off, as in "words" finals; "utterance"
     # finals turn it on (``StreamingConfig.utterance_settled_context_s``).
     settled_context_s: float = 0.0
+    # A word the newest decode puts a punctuation mark after commits with the mark or not at
+    # all (``LocalAgreement``), so that no final begins with the comma of the one before.
+    # bench-accuracy at modelled cost, test-other short / long: word by word 131 / 137 errors
+    # and 13 / 16 finals opening with a mark off, 133 / 137 and 1 / 1 on, final p95 1.95 ->
+    # 2.11 s, flicker 0.175 -> 0.198: off. "utterance" finals turn it on: the same text and
+    # times, and 3 finals opening with a mark on the long recordings -> 0 (bench/README.md,
+    # session 27).
+    marks_wait: bool = False
     # A phrase's closing decode commits what it agrees on with the decode before it only when
     # that reaches this near the pause (``CommitPolicy.update``).
     phrase_slack_s: float = 1.0
@@ -99,7 +107,7 @@ class CommitPolicy:
 
     def __init__(self, config: CommitConfig | None = None) -> None:
         self.config = config or CommitConfig()
-        self._agreement = LocalAgreement(self.config.agreement_n)
+        self._agreement = LocalAgreement(self.config.agreement_n, marks_wait=self.config.marks_wait)
         self._voted_end_s: float | None = None  # where the audio of the last voting decode ended
         self._shown: list[Word] | None = None  # the newest tail, when it did not vote
 

@@ -5,7 +5,7 @@
                        [--batch-wait-ms 5] [--decode-lanes auto] [--min-right-context-s 0.8]
                        [--closing-beam-size 1] [--finals utterance|words]
                        [--agent-finals words|utterance] [--utterance-phrase-s 0]
-                       [--utterance-settled-context-s 1.5]
+                       [--utterance-settled-context-s 1.5] [--no-utterance-cut-inside-commit]
                        [--max-sessions 32] [--no-capacity-limit] [--capacity N]
                        [--capacity-hop-s 1] [--capacity-utilization 0.8]
                        [--admission-utilization 0.7]
@@ -168,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with 'utterance' finals, past half the window a word with this much audio after "
         "it becomes final even where two decodes read it differently; 0: only words two "
         "decodes agree on (default %(default)s)",
+    )
+    streaming.add_argument(
+        "--utterance-cut-inside-commit",
+        action=argparse.BooleanOptionalAction,
+        default=StreamingConfig().utterance_cut_inside_commit,
+        help="with 'utterance' finals, cut a long utterance's window after the last sentence "
+        "end its finals hold (default: %(default)s)",
     )
     streaming.add_argument(
         "--speculative-closing",
@@ -349,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             agent_finals=args.agent_finals,
             utterance_phrase_s=args.utterance_phrase_s,
             utterance_settled_context_s=args.utterance_settled_context_s,
+            utterance_cut_inside_commit=args.utterance_cut_inside_commit,
             commit=CommitConfig(min_right_context_s=args.min_right_context_s),
             speakers=SpeakerConfig(enabled=args.speakers),
         )
