@@ -1144,10 +1144,7 @@ class Session:
                 break
         else:
             return
-        if k == last:
-            at, carry = self._cut_point(utt, max(at, utt.heard_to))
-        else:
-            at, carry = self._cut_point(utt, min(at, utt.heard_to), upto=k)
+        at, carry = self._cut_point(utt, max(at, utt.heard_to), upto=k)
         if at > utt.window_start:
             self._cut(utt, at, carry=carry)
 
