@@ -97,7 +97,8 @@ class StreamingConfig:
     cut_carry_words: int = 2
     prompt_max_tokens: int = 64  # committed text fed back as context, most recent first
     # Beam width of a window's closing decode (end of speech, flush, end), which commits all
-    # that is left of it; 1: greedy. Never while streams outnumber decode lanes (``crowded``).
+    # that is left of it; 1: greedy. Run greedy past the capacity estimate
+    # (``Pipeline.beam_affordable``).
     # Greedy by default: on test-other (bench-accuracy, 40 clips, modelled cost) beam 5 gave
     # 15.42% against 14.64% greedy (min_window_s 4, short speech joined): on the few tokens
     # of a tail, Whisper's length normalisation favours splitting a word into likelier pieces

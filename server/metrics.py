@@ -281,6 +281,15 @@ class Metrics:
             "Decodes in flight whose result was dropped: an utterance's closing decode started "
             "on a spare lane instead of waiting for them",
         )
+        self.beam_searches = Counter(
+            "whisperwire_beam_searches_total",
+            "Closing decodes run as a beam search",
+        )
+        self.beam_searches_made_greedy = Counter(
+            "whisperwire_beam_searches_made_greedy_total",
+            "Closing decodes asked as a beam search and run greedy: more streams open than "
+            "the capacity estimate and the lanes leave room for",
+        )
 
     def all(self) -> list[_Metric]:
         """Every metric, in the order they are rendered."""
@@ -312,6 +321,8 @@ class Metrics:
             self.capacity_window_cost_s,
             self.capacity_catch_up_calls,
             self.decodes_superseded,
+            self.beam_searches,
+            self.beam_searches_made_greedy,
         ]
 
     def observe_batch(self, size: int, elapsed_s: float, audio_s: float) -> None:

@@ -94,8 +94,8 @@ class ScriptedEngine:
     LocalAgreement commits them as audio grows. ``fail_when(window)`` chooses windows whose
     batch raises ``DecodeError``. Clear ``release`` to hold the worker inside
     ``decode_windows`` (``entered`` is set when it gets there). ``batches`` records the
-    ``audio_s`` of every window of every call, in call order; ``calls_finished`` counts the
-    calls that returned or raised.
+    ``audio_s`` of every window of every call, in call order, and ``beam_sizes`` their beam
+    widths; ``calls_finished`` counts the calls that returned or raised.
 
     ``call_cost_s`` and ``window_cost_s`` model a decode's cost: each call sleeps (on the
     decode thread, like a real decode) ``call_cost_s + window_cost_s * len(windows)``.
@@ -116,6 +116,7 @@ class ScriptedEngine:
         self.call_cost_s = call_cost_s
         self.window_cost_s = window_cost_s
         self.batches: list[list[float]] = []
+        self.beam_sizes: list[list[int]] = []
         self.calls_finished = 0
         self.entered = threading.Event()
         self.release = threading.Event()
@@ -138,6 +139,7 @@ class ScriptedEngine:
 
     def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
         self.batches.append([w.request.audio_s for w in windows])
+        self.beam_sizes.append([w.request.options.beam_size for w in windows])
         self.entered.set()
         try:
             self.release.wait()

@@ -487,6 +487,8 @@ async def test_http_routes(server_url: str) -> None:
         "whisperwire_capacity_window_cost_seconds",
         "whisperwire_capacity_catch_up_calls_total",
         "whisperwire_decodes_superseded_total",
+        "whisperwire_beam_searches_total",
+        "whisperwire_beam_searches_made_greedy_total",
     ):
         assert f"\n{name}" in page or f"# TYPE {name}" in page, name
     assert metric_value(page, "whisperwire_ready") == 1

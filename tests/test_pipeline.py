@@ -9,6 +9,7 @@ behind it and the next batch's make-up observed exactly, with no timing involved
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import multiprocessing
 import time
@@ -331,6 +332,39 @@ async def test_the_hop_grows_with_the_streams_open() -> None:
         # One stream's round is one call on one window, over the planned utilization.
         assert hops[0] == pytest.approx(
             (0.05 + 0.1) / pipeline.config.capacity_utilization, rel=0.5
+        )
+    finally:
+        await pipeline.close()
+
+
+@pytest.mark.parametrize(("streams", "beam_size"), [(1, 5), (2, 5), (3, 1)])
+async def test_a_closing_beam_search_runs_greedy_past_the_capacity_estimate(
+    streams: int, beam_size: int
+) -> None:
+    """One lane, the estimate pinned at two streams: a window asked as a beam search is
+    searched while the streams open fit the estimate, and decoded greedy past it, as the lane
+    takes it; a greedy window stays greedy. The metrics count both."""
+    engine = ScriptedEngine()
+    pipeline = Pipeline(PipelineConfig(max_batch_size=1, batch_wait_ms=0.0))
+    await pipeline.start(lambda: engine)
+    pipeline.capacity.set_bounds(2, 2, "test")
+    engine.beam_sizes.clear()
+    for _ in range(streams):
+        pipeline.add_stream()
+    try:
+        closing = dataclasses.replace(
+            make_job(2.0, created_at=1.0),
+            closing=True,
+            request=DecodeRequest(2.0, DecodeOptions(beam_size=5)),
+        )
+        routine = make_job(2.0, created_at=2.0)
+        futures = await queue_jobs(pipeline, [closing, routine])
+        await asyncio.wait_for(asyncio.gather(*futures), WAIT_S)
+        assert engine.beam_sizes == [[beam_size], [1]]
+        assert pipeline.beam_affordable == (beam_size > 1)
+        metrics = pipeline.metrics
+        assert (metrics.beam_searches.value(), metrics.beam_searches_made_greedy.value()) == (
+            (1, 0) if beam_size > 1 else (0, 1)
         )
     finally:
         await pipeline.close()

@@ -856,11 +856,10 @@ def test_a_refreshed_job_stays_within_the_window_cap_and_closes_with_its_segment
 
 
 @pytest.mark.parametrize("crowded", [False, True])
-def test_a_closing_decode_is_beam_searched_while_every_stream_has_a_lane(
-    speech_dir: Path, crowded: bool
-) -> None:
-    """The decode that commits what is left of a window searches with a beam; under load
-    (more streams than lanes) it stays greedy, and so does every other decode."""
+def test_a_closing_decode_asks_for_a_beam_search(speech_dir: Path, crowded: bool) -> None:
+    """The decode that commits what is left of a window asks for a beam search, under load
+    too (the scheduler runs it greedy when the lanes cannot afford it: test_pipeline); every
+    other decode is greedy."""
     engine = ScriptedEngine()
     config = StreamingConfig(finals="words", closing_beam_size=5)
     session = Session("beam", streaming=config)
@@ -872,9 +871,7 @@ def test_a_closing_decode_is_beam_searched_while_every_stream_has_a_lane(
         while (job := session.next_job(crowded=crowded)) is not None:
             widths.append((job.closing, job.request.options.beam_size))
             session.receive_result(job, _scripted_decode(engine, job))
-    assert {beam for closing, beam in widths if closing} == {
-        1 if crowded else config.closing_beam_size
-    }
+    assert {beam for closing, beam in widths if closing} == {config.closing_beam_size}
     assert {beam for closing, beam in widths if not closing} == {1}
 
 
@@ -907,8 +904,8 @@ def test_utterance_finals_come_together_from_one_decode_of_the_whole_utterance(
     speech_dir: Path, crowded: bool
 ) -> None:
     """``finals: "utterance"``: partials as speech goes on, and an utterance's words final
-    together when it ends, from a decode of all of it with nothing forced: a beam search
-    while every stream has a lane, greedy under load."""
+    together when it ends, from a decode of all of it with nothing forced, asked as a beam
+    search."""
     session = Session("utterance")
     session.configure(StreamSettings(finals="utterance"))
     log = _drive_logging_jobs(
@@ -924,7 +921,7 @@ def test_utterance_finals_come_together_from_one_decode_of_the_whole_utterance(
     first_end = next(i for i, e in enumerate(items) if isinstance(e, SpeechEndedMessage))
     assert first_partial < first_end  # the viewer sees text while the speaker speaks
     closing = [job for _, job in log if isinstance(job, DecodeJob) and job.closing]
-    assert {job.request.options.beam_size for job in closing} == {1 if crowded else 5}
+    assert {job.request.options.beam_size for job in closing} == {5}
     assert all(not job.request.prefix for job in closing)
     assert {round(job.start_s, 3) for job in closing} == {round(s, 3) for s in starts}
 

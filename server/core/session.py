@@ -551,7 +551,6 @@ class Session:
                 speculative,
                 closing=True,
                 job_id=self._next_job_id,
-                crowded=crowded,
                 speculative=True,
             )
             self._next_job_id += 1
@@ -584,7 +583,7 @@ class Session:
             self._finish_utterance_if_closed(utt, decoded=True)
             self._maybe_done()
             return self.next_job(min_hop_s=min_hop_s, crowded=crowded)
-        job = self._job(utt, end, closing=closing, job_id=self._next_job_id, crowded=crowded)
+        job = self._job(utt, end, closing=closing, job_id=self._next_job_id)
         self._next_job_id += 1
         utt.decoded_to = end
         self._in_flight = job
@@ -718,7 +717,7 @@ class Session:
             request=dataclasses.replace(
                 job.request,
                 audio_s=audio.shape[0] / SAMPLE_RATE_HZ,
-                options=self._options(utt, closing=closing, crowded=crowded),
+                options=self._options(utt, closing=closing),
             ),
             closing=closing,
         )
@@ -730,11 +729,12 @@ class Session:
         c = self.streaming
         return min(c.max_window_s, c.crowded_max_window_s) if crowded else c.max_window_s
 
-    def _options(self, utt: _Utterance, *, closing: bool, crowded: bool) -> DecodeOptions:
+    def _options(self, utt: _Utterance, *, closing: bool) -> DecodeOptions:
         """The decode options of ``utt``'s next window: its language (or detection), and a
-        beam search for a closing decode while the server has a lane per stream."""
+        beam search for a closing decode (which the scheduler runs greedy when the lanes
+        cannot afford it: ``Pipeline.beam_affordable``)."""
         detector = self._detecting
-        beam = self.streaming.closing_beam_size if closing and not crowded else 1
+        beam = self.streaming.closing_beam_size if closing else 1
         if utt.language is not None or detector is None:
             return DecodeOptions(language=utt.language, task=self._settings.task, beam_size=beam)
         return DecodeOptions(
@@ -760,12 +760,11 @@ class Session:
         *,
         closing: bool,
         job_id: int,
-        crowded: bool = False,
         speculative: bool = False,
     ) -> DecodeJob:
         """The decode of ``utt``'s window up to ``end``."""
         audio = self._buffer.slice(utt.window_start, end)
-        options = self._options(utt, closing=closing, crowded=crowded)
+        options = self._options(utt, closing=closing)
         return DecodeJob(
             session_id=self.session_id,
             job_id=job_id,

@@ -134,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=StreamingConfig().closing_beam_size,
         help="with 'words' finals, the beam width of the decode that commits the rest of an "
-        "utterance when it ends, while every stream has a decode lane; 1: greedy ('utterance' "
-        "finals search 5 beams, and are greedy under load too) (default %(default)s)",
+        "utterance when it ends; 1: greedy ('utterance' finals search 5 beams; either runs "
+        "greedy while more streams are open than the capacity estimate) (default %(default)s)",
     )
     streaming.add_argument(
         "--finals",
