@@ -62,6 +62,15 @@ def test_auto_is_one_lane_per_core_on_the_cpu() -> None:
             "-1",
             "utterance_settled_context_s must be >= 0",
         ),
+        # and the beam width of its closing decode
+        (
+            "--utterance-beam-size",
+            "utterance_beam_size",
+            lambda: StreamingConfig().utterance_beam_size,
+            "1",
+            "0",
+            "utterance_beam_size must be in [1, 16]",
+        ),
         # utterance phrases have a flag, checked against the utterance window
         (
             "--utterance-phrase-s",

@@ -837,7 +837,8 @@ class Session:
         )
         utt.tentative = utt.policy.tentative
         self.log.debug(
-            "job %d [%.2f-%.2f s] closing=%s speculative=%s beam=%d: %d word(s) final, %d not",
+            "job %d [%.2f-%.2f s] closing=%s speculative=%s beam asked=%d: %d word(s) final, "
+            "%d not",
             job.job_id,
             job.start_s,
             job.end_sample / SAMPLE_RATE_HZ,

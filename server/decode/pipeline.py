@@ -334,9 +334,9 @@ class Pipeline:
         has a lane, and while the streams open are no more than the capacity estimate
         carries. A beam of 5 costs 1.5-1.9 greedy calls (bench-beam); past the estimate
         that would take the lane time the other streams' decodes need, so there it runs
-        greedy (bench-capacity, four streams on two lanes, estimate 5: WER 12.9% with beam
-        closings against 14.2% greedy, 13.2% each stream alone; final p95 2.00 s against
-        1.91 s, end of speech to final p50 1.18 s against 0.70 s)."""
+        greedy. bench-capacity, four streams on two lanes, estimate 4: WER 13.7% against
+        13.2% for each stream alone (greedy closings: 14.2-14.5%), final p95 1.87 s, end of
+        speech to final p50 / p95 1.07 / 1.57 s (greedy: 0.70-0.97 / 0.93-1.35 s)."""
         streams = self._streams
         return streams <= self.lanes or streams <= self.capacity.streams(limit=streams)
 

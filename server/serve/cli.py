@@ -5,7 +5,8 @@
                        [--batch-wait-ms 5] [--decode-lanes auto] [--min-right-context-s 0.8]
                        [--closing-beam-size 1] [--finals utterance|words]
                        [--agent-finals words|utterance] [--utterance-phrase-s 0]
-                       [--utterance-settled-context-s 1.5] [--no-utterance-cut-inside-commit]
+                       [--utterance-beam-size 5] [--utterance-settled-context-s 1.5]
+                       [--no-utterance-cut-inside-commit]
                        [--max-sessions 32] [--no-capacity-limit] [--capacity N]
                        [--capacity-hop-s 1] [--capacity-utilization 0.8]
                        [--admission-utilization 0.7]
@@ -160,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with 'utterance' finals, a window this long ends a phrase at its last pause that "
         "speech went on after: the words two decodes agree on up to there become final "
         "(sooner for some words); 0: only at the end of speech (default %(default)s)",
+    )
+    streaming.add_argument(
+        "--utterance-beam-size",
+        type=int,
+        default=StreamingConfig().utterance_beam_size,
+        help="with 'utterance' finals, the beam width of an utterance's closing decode; greedy "
+        "anyway while more streams are open than the capacity estimate; 1: always greedy, "
+        "the turn's final sooner under load and less accurate (default %(default)s)",
     )
     streaming.add_argument(
         "--utterance-settled-context-s",
@@ -355,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             finals=args.finals,
             agent_finals=args.agent_finals,
             utterance_phrase_s=args.utterance_phrase_s,
+            utterance_beam_size=args.utterance_beam_size,
             utterance_settled_context_s=args.utterance_settled_context_s,
             utterance_cut_inside_commit=args.utterance_cut_inside_commit,
             commit=CommitConfig(min_right_context_s=args.min_right_context_s),
