@@ -98,7 +98,7 @@ class StreamingConfig:
     prompt_max_tokens: int = 64  # committed text fed back as context, most recent first
     # Beam width of a window's closing decode (end of speech, flush, end), which commits all
     # that is left of it; 1: greedy. Run greedy past the capacity estimate
-    # (``Pipeline.beam_affordable``).
+    # (``Pipeline.past_capacity``).
     # Greedy by default: on test-other (bench-accuracy, 40 clips, modelled cost) beam 5 gave
     # 15.42% against 14.64% greedy (min_window_s 4, short speech joined): on the few tokens
     # of a tail, Whisper's length normalisation favours splitting a word into likelier pieces
@@ -120,8 +120,8 @@ class StreamingConfig:
     # The finals of the voice-agent streams (Deepgram's /v1/listen, OpenAI's Realtime): an
     # agent answers a turn when its final arrives, so they take the fast finals.
     agent_finals: str = "words"
-    # Beam width of an utterance's closing decode in "utterance" finals, while every stream
-    # has a decode lane (under load it is greedy, as every closing decode is).
+    # Beam width of an utterance's closing decode in "utterance" finals (greedy past the
+    # capacity estimate, as every closing decode is).
     utterance_beam_size: int = 5
     # In "utterance" finals, ``CommitConfig.settled_context_s``: past half the window, a word
     # with this much audio after it commits even where the decode before read it otherwise.
@@ -133,6 +133,14 @@ class StreamingConfig:
     # 1.5 s 116 / 123, 2.80 / 2.93 s; 1.0 s 114 / 126, 2.52 / 2.65 s; LJ long off and 1.5 s
     # both 35 errors. Not in "words" finals: there 1.5 s read 139 / 135 against 131 / 137 off.
     utterance_settled_context_s: float = 1.5
+    # The same, for a decode that started while more streams were open than the capacity
+    # estimate: each stream's decodes come further apart then, and 1.5 s of settled context
+    # plus that wait made the long utterances' word-by-word finals the p95 (bench-capacity,
+    # eight streams on two cores, final p95 over four or five runs: 2.28-2.73 s, median
+    # 2.48 s, at 1.5 s; 2.07-2.64 s, median 2.21 s, with this; WER 11.4-11.8% either way).
+    # Not the default within the estimate: one stream at modelled cost, 1.0 s read test-other
+    # 113 / 127 errors against 115 / 129, but LJ long 36 against 34.
+    utterance_busy_settled_context_s: float = 1.0
     # In "utterance" finals, a commit cuts the window after the last sentence end in it (or
     # clause end, past ``clause_cut_s``), not only when its last word ends one: the
     # word-by-word decodes past half the window then hear seconds, not 15-30 s (served, a
@@ -191,6 +199,11 @@ class StreamingConfig:
         if self.utterance_settled_context_s < 0:
             raise ValueError(
                 f"utterance_settled_context_s must be >= 0; got {self.utterance_settled_context_s}"
+            )
+        if self.utterance_busy_settled_context_s < 0:
+            raise ValueError(
+                "utterance_busy_settled_context_s must be >= 0; "
+                f"got {self.utterance_busy_settled_context_s}"
             )
         if not 0 <= self.utterance_phrase_s <= UTTERANCE_WINDOW_S:
             raise ValueError(

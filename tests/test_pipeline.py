@@ -361,7 +361,7 @@ async def test_a_closing_beam_search_runs_greedy_past_the_capacity_estimate(
         futures = await queue_jobs(pipeline, [closing, routine])
         await asyncio.wait_for(asyncio.gather(*futures), WAIT_S)
         assert engine.beam_sizes == [[beam_size], [1]]
-        assert pipeline.beam_affordable == (beam_size > 1)
+        assert pipeline.past_capacity == (beam_size == 1)
         metrics = pipeline.metrics
         assert (metrics.beam_searches.value(), metrics.beam_searches_made_greedy.value()) == (
             (1, 0) if beam_size > 1 else (0, 1)

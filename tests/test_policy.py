@@ -66,6 +66,26 @@ def test_a_word_heard_with_settled_context_commits_where_the_decodes_differ() ->
     assert [w.text for w in policy.tentative] == [" differs", " from", " most"]
 
 
+def test_a_decode_may_ask_for_less_settled_context_but_not_turn_the_rule_on() -> None:
+    """``settled_context_s`` of one decode (a server past its capacity estimate) replaces the
+    config's: at 2.0 s "concern", with 3.2 s after it, commits, as do "differs" (2.5 s) and
+    "from" (2.1 s). Where the rule is off ("words" finals) it stays off."""
+    policy = CommitPolicy(
+        CommitConfig(min_right_context_s=0.8, min_window_s=0.0, settled_context_s=3.0)
+    )
+    policy.update(CONCERNED, window_start_s=0.0, window_end_s=4.0, closing=False)
+    committed = policy.update(
+        CONCERN, window_start_s=0.0, window_end_s=4.5, closing=False, settled_context_s=2.0
+    )
+    assert [w.text for w in committed] == [" at", " present", " concern", " differs", " from"]
+    off = CommitPolicy(CommitConfig(min_right_context_s=0.8, min_window_s=0.0))
+    off.update(CONCERNED, window_start_s=0.0, window_end_s=8.0, closing=False)
+    committed = off.update(
+        CONCERN, window_start_s=0.0, window_end_s=9.0, closing=False, settled_context_s=1.0
+    )
+    assert [w.text for w in committed] == [" at", " present"]
+
+
 def test_without_settled_context_a_difference_holds_every_word_after_it() -> None:
     """Off by default ("words" finals): however much audio follows, a word the decodes read
     differently waits, and every word after it."""

@@ -980,6 +980,66 @@ def test_utterance_finals_go_word_by_word_past_half_the_window(speech_dir: Path)
     assert max(waits) < 4.0
 
 
+class FirstWordEngine(ScriptedEngine):
+    """Reads a window's first word differently on every call, so two decodes never agree on
+    it: its words become final only by ``settled_context_s``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def _result(self, window: Window) -> DecodeResult:
+        full = super()._result(window)
+        self.calls += 1
+        if not full.words:
+            return full
+        first = dataclasses.replace(full.words[0], word=f" v{self.calls}", tokens=(2000,))
+        words = (first, *full.words[1:])
+        return dataclasses.replace(
+            full,
+            words=words,
+            text="".join(w.word for w in words),
+            tokens=tuple(t for w in words for t in w.tokens),
+        )
+
+
+@pytest.mark.parametrize("past_capacity", [False, True])
+def test_past_the_capacity_estimate_a_long_utterances_words_settle_with_less_context(
+    speech_dir: Path, past_capacity: bool
+) -> None:
+    """Per utterance, words the decodes read differently become final once the newest decode
+    heard ``utterance_settled_context_s`` of audio after them; on a job made while more streams
+    were open than the capacity estimate, ``utterance_busy_settled_context_s``."""
+    config = StreamingConfig()
+    session = Session("busy", streaming=config)
+    session.configure(StreamSettings(finals="utterance"))
+    clip = load_clip(speech_dir / LONG_SPEECH_CLIP)[: 20 * SAMPLE_RATE_HZ]
+    log = _drive_logging_jobs(
+        session, FirstWordEngine(), _frames_of(clip, chunk_s=0.1), past_capacity=past_capacity
+    )
+    jobs = [job for _, job in log if isinstance(job, DecodeJob)]
+    assert jobs and all(job.past_capacity == past_capacity for job in jobs)
+    context_s = (
+        config.utterance_busy_settled_context_s
+        if past_capacity
+        else config.utterance_settled_context_s
+    )
+    early = _open_finals(log)
+    assert early  # finals before the utterance ended
+    last_job: DecodeJob | None = None
+    for _, item in log:
+        if isinstance(item, DecodeJob):
+            last_job = item
+        elif item is early[0]:
+            break
+    assert last_job is not None and not last_job.closing
+    # The first final's last word had the settled context after it in the decode that made
+    # it final, and the word after it (0.5 s later) did not. (Later finals agree past the
+    # first word, which is all the engine reads differently.)
+    gap_s = last_job.start_s + last_job.audio_s - early[0].words[-1].end
+    assert context_s - 1e-6 <= gap_s < context_s + ScriptedEngine.WORD_S
+
+
 class SentencesEngine(ScriptedEngine):
     """Ends a sentence at every ``SENTENCE_WORDS``-th word of a window."""
 
@@ -1697,10 +1757,11 @@ def _drive_logging_jobs(
     *,
     min_hop_s: float = 0.0,
     crowded: bool = False,
+    past_capacity: bool = False,
 ) -> list[tuple[int, SessionEvent | DecodeJob]]:
     """Feed ``frames`` (then ``end``) answering each decode at once; every event and job,
-    in order, with the number of frames fed when it came. ``min_hop_s``, ``crowded``: the
-    scheduler's load, as ``next_job`` takes it."""
+    in order, with the number of frames fed when it came. ``min_hop_s``, ``crowded``,
+    ``past_capacity``: the scheduler's load, as ``next_job`` takes it."""
     log: list[tuple[int, SessionEvent | DecodeJob]] = []
     for fed, frame in enumerate([*frames, None], start=1):
         if frame is None:
@@ -1710,7 +1771,12 @@ def _drive_logging_jobs(
         log.extend((fed, e) for e in session.events_to_send())
         while (
             not session.busy
-            and (job := session.next_job(min_hop_s=min_hop_s, crowded=crowded)) is not None
+            and (
+                job := session.next_job(
+                    min_hop_s=min_hop_s, crowded=crowded, past_capacity=past_capacity
+                )
+            )
+            is not None
         ):
             log.append((fed, job))
             session.receive_result(job, _decode_now(engine, job))

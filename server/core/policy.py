@@ -124,6 +124,7 @@ class CommitPolicy:
         closing: bool,
         cut_in_speech: bool = False,
         phrase: bool = False,
+        settled_context_s: float | None = None,
     ) -> list[Word]:
         """Fold in the newest decode's words after the committed ones, in stream time.
 
@@ -137,7 +138,9 @@ class CommitPolicy:
         one half pint of cream, yolk of four eggs"), and a word the two decodes differ on is
         better decided by a decode that hears what follows. When the two part well before the
         pause, nothing commits: the phrase's words wait for the utterance's closing decode,
-        rather than a final ending seconds before the pause.
+        rather than a final ending seconds before the pause. ``settled_context_s``: this
+        decode's instead of ``CommitConfig.settled_context_s`` (the rule stays off where that
+        is 0).
         """
         if closing or phrase:
             tail = self._heard(tail, window_end_s, cut_in_speech=cut_in_speech)
@@ -156,7 +159,7 @@ class CommitPolicy:
             hold = self._phrase_waiting(tail, window_end_s)
         else:
             hold = self._waiting(tail, window_start_s, window_end_s)
-            settled = self._settled(tail, window_end_s)
+            settled = self._settled(tail, window_end_s, settled_context_s)
         committed = self._agreement.update(tail, hold=hold, at_least=settled)
         if closing:
             committed += self._agreement.finalize()
@@ -196,14 +199,15 @@ class CommitPolicy:
                 return len(tail) - k
         return 0
 
-    def _settled(self, tail: Sequence[Word], window_end_s: float) -> int:
-        """How many leading words of ``tail`` the decode heard ``settled_context_s`` of audio
-        after, each of them (none when that rule is off)."""
-        c = self.config
-        if c.settled_context_s <= 0:
+    def _settled(self, tail: Sequence[Word], window_end_s: float, context_s: float | None) -> int:
+        """How many leading words of ``tail`` the decode heard ``context_s`` (default
+        ``settled_context_s``) of audio after, each of them (none when that rule is off)."""
+        if self.config.settled_context_s <= 0:
             return 0
+        if context_s is None:
+            context_s = self.config.settled_context_s
         for k, word in enumerate(tail):
-            if window_end_s - word.end_s < c.settled_context_s:
+            if window_end_s - word.end_s < context_s:
                 return k
         return len(tail)
 

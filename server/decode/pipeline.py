@@ -329,16 +329,17 @@ class Pipeline:
         return self._streams > self.lanes
 
     @property
-    def beam_affordable(self) -> bool:
-        """Whether a closing decode asked as a beam search runs as one: while every stream
-        has a lane, and while the streams open are no more than the capacity estimate
-        carries. A beam of 5 costs 1.5-1.9 greedy calls (bench-beam); past the estimate
-        that would take the lane time the other streams' decodes need, so there it runs
-        greedy. bench-capacity, four streams on two lanes, estimate 4: WER 13.7% against
-        13.2% for each stream alone (greedy closings: 14.2-14.5%), final p95 1.87 s, end of
-        speech to final p50 / p95 1.07 / 1.57 s (greedy: 0.70-0.97 / 0.93-1.35 s)."""
+    def past_capacity(self) -> bool:
+        """More streams open than the capacity estimate carries (and than lanes): the lanes
+        have no time to spare. A closing decode asked as a beam search then runs greedy: a
+        beam of 5 costs 1.5-1.9 greedy calls (bench-beam), lane time the other streams'
+        decodes need. Within the estimate it runs as asked (bench-capacity, four streams on
+        two lanes, estimate 4: WER 13.7% against 13.2% for each stream alone, greedy closings
+        14.2-14.5%; final p95 1.87 s; end of speech to final p50 / p95 1.07 / 1.57 s, greedy
+        0.70-0.97 / 0.93-1.35 s). The sessions also commit with less settled context then
+        (``StreamingConfig.utterance_busy_settled_context_s``)."""
         streams = self._streams
-        return streams <= self.lanes or streams <= self.capacity.streams(limit=streams)
+        return streams > self.lanes and streams > self.capacity.streams(limit=streams)
 
     @property
     def queued(self) -> int:
@@ -728,7 +729,7 @@ class Pipeline:
         if run.whole and not searched:
             # A failed batch's time (the failure, then each window alone) is not what a
             # batch of this size costs; nor is a beam-searched closing decode's, which runs
-            # only while the lanes have room for it (``beam_affordable``).
+            # only while the lanes have room for it (not ``past_capacity``).
             fitted = self.capacity.observe(audio_s, run.elapsed_s, catch_up_s)
             if not fitted:
                 self.metrics.capacity_catch_up_calls.inc()
@@ -739,12 +740,12 @@ class Pipeline:
                 _settle(request.future, outcome, None)
 
     def _affordable(self, window: Window) -> Window:
-        """``window`` as the lanes can afford it now: a beam search made greedy past
-        ``beam_affordable``. Decided when a lane takes the window, with the load of then."""
+        """``window`` as the lanes can afford it now: a beam search made greedy
+        ``past_capacity``. Decided when a lane takes the window, with the load of then."""
         options = window.request.options
         if options.beam_size == 1:
             return window
-        if self.beam_affordable:
+        if not self.past_capacity:
             self.metrics.beam_searches.inc()
             return window
         self.metrics.beam_searches_made_greedy.inc()

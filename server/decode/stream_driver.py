@@ -128,7 +128,9 @@ class StreamDriver:
         self._flush()
         if self._decoding is None:
             job = self.session.next_job(
-                min_hop_s=self.pipeline.stream_hop_s(), crowded=self.pipeline.crowded
+                min_hop_s=self.pipeline.stream_hop_s(),
+                crowded=self.pipeline.crowded,
+                past_capacity=self.pipeline.past_capacity,
             )
             if job is not None:
                 self._decoding = asyncio.create_task(
@@ -153,7 +155,9 @@ class StreamDriver:
         """Start the utterance's closing decode on the spare lane at once, if it replaces the
         decode in flight (``Session.supersede_job``). The dropped decode's lane finishes it;
         nobody awaits its result."""
-        job = self.session.supersede_job(crowded=self.pipeline.crowded)
+        job = self.session.supersede_job(
+            crowded=self.pipeline.crowded, past_capacity=self.pipeline.past_capacity
+        )
         if job is None:
             return
         decoding.cancel()
@@ -165,7 +169,9 @@ class StreamDriver:
         )
 
     def _refresh_job(self, job: DecodeJob) -> DecodeJob:
-        return self.session.refresh_job(job, crowded=self.pipeline.crowded)
+        return self.session.refresh_job(
+            job, crowded=self.pipeline.crowded, past_capacity=self.pipeline.past_capacity
+        )
 
     def catch_up_s(self, job: DecodeJob) -> float:
         """What this stream holds beyond ``job`` that its client sent ahead of real time (a
