@@ -1156,7 +1156,11 @@ async def test_a_pace_0_burst_of_the_real_model_leaves_the_capacity_estimate_alo
     The burst sends the clip twice: per utterance (the default) a window reaches as far as the
     audio that arrived, and the clip's two utterances alone (7.9 s and 3 s) could leave less
     than ``CATCH_UP_S`` beyond the first one's window when a lane took it: no catch-up call at
-    all in one clean clone. Its second utterance's windows now have the second copy beyond."""
+    all in one clean clone. Its second utterance's windows now have the second copy beyond.
+
+    Closing decodes greedy (``utterance_beam_size=1``): a pace-0 burst's windows are mostly
+    its utterances' closing decodes, and within the estimate those are beam searches, which
+    the estimate leaves out whatever their pace; greedy, they are the catch-up this is about."""
     from client.sources import FileSource
     from client.stream import stream_audio
     from server.engine.engine import EngineConfig
@@ -1171,7 +1175,8 @@ async def test_a_pace_0_burst_of_the_real_model_leaves_the_capacity_estimate_alo
     # the cores busy, and wall time would count their turns as this server's cost.
     lanes = PipelineConfig(decode_lanes=2, calibrate_on_cpu_time=True)
     load = functools.partial(load_engine, EngineConfig())
-    async with WhisperwireServer(load, server=config, pipeline=lanes) as srv:
+    greedy = StreamingConfig(utterance_beam_size=1)
+    async with WhisperwireServer(load, server=config, pipeline=lanes, streaming=greedy) as srv:
         url = stream_url(srv.url)
         start = srv.capacity_streams
         # tiny.en on two lanes: 4 on our CPUs (a 2 s window in 90-115 ms), 1 on one 2.9x
