@@ -212,6 +212,47 @@ def test_a_call_that_costs_the_same_for_any_batch_batches_everything() -> None:
     assert m.batch_size(3) >= 3  # 0.36 / 0.8 + 0.36 s against 0.96 / 0.8 + 0.32 s alone
 
 
+def test_where_the_calibrations_batch_did_not_pay_streams_are_decoded_one_by_one() -> None:
+    """A 2-core CPU's calibration, as measured there: two 4 s windows of speech 0.38 and
+    0.29 s alone, 0.72 s as one batch (it runs as long as its longer row). The fit can still
+    credit the batch with a shared cost; the windows timed alone say it saved nothing."""
+    m = model()
+    m.lanes = 2
+    for alone_s in (0.38, 0.29):
+        m.seed([4.0], alone_s)
+    m.seed([8.0], 0.62)
+    m.seed([4.0, 4.0], 0.72)
+    for _ in range(3):  # a shared cost per call, as clients' single calls can suggest
+        m.observe([4.0], 0.34)
+        m.observe([4.0, 4.0], 0.5)
+    assert m.batch_size(8) > 1
+    batched = m.measured_streams()
+    assert "batches of up to 8" in m.explain(limit=32)
+    m.seed_batch([0.38, 0.29], 0.72)
+    assert m.batch_ratio == pytest.approx(0.72 / 0.67)
+    assert m.planned_batch_size == 1
+    assert [m.batch_size(n) for n in (1, 4, 8)] == [1, 1, 1]
+    fit = m.fit
+    assert fit is not None
+    # The estimate's round is one call per stream: 2 lanes x 0.8 s hold what single calls fit.
+    single_s = fit.batch_s(1, m.typical_window_s)
+    assert m.measured_streams() == int(1.6 // single_s) < batched
+    assert "no batches (the calibration's batch cost 1.07 of its windows alone)" in m.explain(32)
+
+
+def test_where_the_calibrations_batch_paid_the_scheduler_may_batch() -> None:
+    m = model()  # a GPU: two windows together cost little more than one
+    for _ in range(3):
+        m.observe([4.0], 0.1)
+        m.observe([4.0, 4.0], 0.11)
+    m.seed_batch([0.1, 0.1], 0.11)
+    assert m.planned_batch_size == 8
+    assert m.batch_size(3) == 8
+    assert "batches of up to 8 (the calibration's batch cost 0.55" in m.explain(limit=32)
+    with pytest.raises(ValueError, match="two or more windows"):
+        m.seed_batch([0.1], 0.1)
+
+
 def test_a_machine_too_slow_for_one_stream_still_serves_one() -> None:
     m = model()
     m.observe([4.0], 2.0)

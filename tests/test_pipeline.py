@@ -608,22 +608,61 @@ async def test_start_seeds_the_capacity_model_with_timed_calls_on_speech() -> No
     await pipeline.start(lambda: engine)
     try:
         typical = pipeline.capacity.typical_window_s
-        # Batches of one at two lengths and one of several, each twice, after the warm-up.
+        # Two windows alone, the first twice as long alone, and the two as one batch, each
+        # twice, after the warm-up.
         assert engine.warmups == 1
-        shapes = [[typical], [2 * typical], [typical] * 4]
+        shapes = [[typical], [typical], [2 * typical], [typical] * 2]
         assert engine.batches == [shape for shape in shapes for _ in range(2)]
-        # Each window is a slice of the shipped speech, different ones in the batch.
-        for audio, shape in zip(engine.audio[::2], shapes, strict=True):
-            expected = speech_windows(len(shape), shape[0])
-            assert all(map(np.array_equal, audio, expected))
-        assert not np.array_equal(engine.audio[4][0], engine.audio[4][1])
+        # Each window is a slice of the shipped speech; the batch holds the very windows
+        # timed alone, different ones.
+        pair = speech_windows(2, typical)
+        [long] = speech_windows(1, 2 * typical)
+        expected = [[pair[0]], [pair[1]], [long], pair]
+        for audio, windows in zip(engine.audio[::2], expected, strict=True):
+            assert len(audio) == len(windows) and all(map(np.array_equal, audio, windows))
+        assert not np.array_equal(pair[0], pair[1])
         fit = pipeline.capacity.fit
         assert fit is not None
         assert fit.batch_s(1, typical) == pytest.approx(0.07, abs=0.02)
-        assert fit.batch_s(4, 4 * typical) == pytest.approx(0.13, abs=0.02)
+        assert fit.batch_s(2, 2 * typical) == pytest.approx(0.09, abs=0.02)
+        # The pair cost 0.09 s against 0.14 s alone: batches pay here.
+        assert pipeline.capacity.batch_ratio == pytest.approx(0.09 / 0.14, rel=0.25)
+        assert pipeline.capacity.planned_batch_size == 8
         assert pipeline.metrics.batch_size.count == 0  # the seeds are not client traffic
     finally:
         await pipeline.close()
+
+
+async def test_streams_are_batched_only_where_the_calibrations_pair_paid() -> None:
+    """Four streams' windows queued at once on one lane. A GPU-like engine (a call costs
+    0.05 s, a window 0.005 s more) takes them together; a CPU-like one (0.05 s a window,
+    whatever it shares its call with) has its calibration find the pair no cheaper than
+    its two windows alone, and takes them one call each."""
+    sizes = {}
+    for name, engine in (
+        ("gpu", ScriptedEngine(call_cost_s=0.05, window_cost_s=0.005)),
+        ("cpu", ScriptedEngine(window_cost_s=0.05)),
+    ):
+        pipeline = Pipeline(PipelineConfig(max_batch_size=8))
+        await pipeline.start(lambda: engine)  # noqa: B023 (awaited within the iteration)
+        try:
+            ratio = pipeline.capacity.batch_ratio
+            assert ratio is not None
+            engine.batches.clear()
+            for _ in range(4):
+                pipeline.add_stream()
+            jobs = [
+                pipeline.decode(make_job(2.0, created_at=1.0, session_id=f"s{k}")) for k in range(4)
+            ]
+            await asyncio.wait_for(asyncio.gather(*jobs), WAIT_S)
+            sizes[name] = (ratio, pipeline.capacity.planned_batch_size)
+            sizes[name + " calls"] = [len(batch) for batch in engine.batches]
+        finally:
+            await pipeline.close()
+    gpu_ratio, gpu_planned = sizes["gpu"]  # 0.06 s against 0.11 s
+    assert gpu_ratio < 0.7 and gpu_planned == 8 and max(sizes["gpu calls"]) > 1, sizes
+    cpu_ratio, cpu_planned = sizes["cpu"]  # 0.1 s against 0.1 s
+    assert 0.9 < cpu_ratio < 1.2 and cpu_planned == 1 and sizes["cpu calls"] == [1] * 4, sizes
 
 
 async def test_the_calibration_keeps_the_cheaper_run_of_each_shape() -> None:
@@ -636,7 +675,7 @@ async def test_the_calibration_keeps_the_cheaper_run_of_each_shape() -> None:
         typical = pipeline.capacity.typical_window_s
         # What the second runs cost (0.05 s + 0.02 s a window), not the first's 0.3 s more.
         assert fit.batch_s(1, typical) == pytest.approx(0.07, abs=0.02)
-        assert fit.batch_s(4, 4 * typical) == pytest.approx(0.13, abs=0.02)
+        assert fit.batch_s(2, 2 * typical) == pytest.approx(0.09, abs=0.02)
     finally:
         await pipeline.close()
 
@@ -895,7 +934,8 @@ async def test_the_calibration_on_cpu_time_leaves_out_the_time_a_lane_waited_off
         pipeline = Pipeline(PipelineConfig(max_batch_size=1, calibrate_on_cpu_time=cpu_time))
         await pipeline.start(lambda: engine)  # noqa: B023 (awaited within the iteration)
         try:
-            assert len(engine.batches) == 6  # the calibration's calls: three shapes, twice
+            # The calibration's calls without batches: a window, and one twice as long, twice each.
+            assert len(engine.batches) == 4
             bounds[cpu_time] = (pipeline.capacity.floor, pipeline.capacity.ceiling)
         finally:
             await pipeline.close()

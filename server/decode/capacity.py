@@ -26,7 +26,8 @@ batching buys.
 **Capacity.** A stream that keeps up is decoded once per round: its next window is queued as
 soon as its last result is back. With ``N`` streams, a round is ``N`` windows of the typical
 length (the median of the recent windows), in engine calls of at most ``max_batch_size``
-(the scheduler batches more as the round fills the lanes, ``batch_size``). The lanes take
+(the scheduler batches more as the round fills the lanes, ``batch_size``), or one call a
+window where batches do not pay on this machine (``planned_batch_size``: a CPU). The lanes take
 those calls from one queue, side by side (each is a core of its own, and its calls are timed
 as they ran, next to the others), so the round is shared among them. The capacity is the
 largest ``N`` whose round fits in ``lanes * hop_s * admission_utilization``: ``hop_s`` is the
@@ -92,6 +93,13 @@ _NEGATIVE_TOLERANCE = 1e-12
 # short speech, VadConfig.short_speech_end_silence_ms) past its closing decode, and the
 # jitter of 100 ms frames; a reconnect replays seconds, a file at pace 0 all of itself.
 CATCH_UP_S = 1.5
+# Streams' windows are batched only where the calibration's batch cost less than this share
+# of its windows decoded one by one (``CapacityModel.seed_batch``). A batch's first window
+# waits for the whole call, and the cadence gains only what batching saves: by
+# ``batch_size``'s own arithmetic a batch of two wins, on two lanes, only where it costs
+# under 0.78 (four streams) to 0.86 (eight) of its windows alone. On a 2-core CPU a batch
+# of two cost 1.07-1.12 times its two windows alone (four: 0.89), on a GPU about half.
+BATCH_WORTH_SHARE = 0.9
 # The floor is this share of the calibration's estimate (CapacityModel.calibrated_bounds).
 # Real-time streams' calls cost 0.4-1.4 times what the speech seeds predict (10th to 90th
 # percentile, median 0.6: four streams of jfk.wav on tiny.en, 2-core CPU,
@@ -260,6 +268,8 @@ class CapacityModel:
         self.floor: int | None = None  # set_bounds; None: 1
         self.ceiling: int | None = None  # set_bounds; None: no ceiling but the caller's limit
         self.bounds_source = "none"  # where the bounds came from, for /readyz
+        # A calibrated batch's cost over its windows' alone (seed_batch); None: not timed.
+        self.batch_ratio: float | None = None
         self._held: int | None = None  # the published estimate, once anything was measured
         # Fitted calls in a row whose measured estimate was above (+) or below (-) the held one.
         self._pressure = 0
@@ -278,6 +288,26 @@ class CapacityModel:
         self._stale = True
         self._held = self._bounded(self.measured_streams())
         self._pressure = 0
+
+    def seed_batch(self, alone_s: Sequence[float], together_s: float) -> None:
+        """The calibration's batch (``together_s``) against its own windows decoded one by
+        one (``alone_s``): where it saved less than ``1 - BATCH_WORTH_SHARE`` of their time,
+        streams' windows are not batched (``planned_batch_size``), and the estimate's round
+        is one call per stream."""
+        if len(alone_s) < 2 or min(alone_s) <= 0 or together_s <= 0:
+            raise ValueError("need two or more windows timed alone and a batch, all > 0 s")
+        self.batch_ratio = together_s / sum(alone_s)
+        self._stale = True
+        self._held = self._bounded(self.measured_streams())
+        self._pressure = 0
+
+    @property
+    def planned_batch_size(self) -> int:
+        """The largest batch of streams' windows this machine is worth: ``max_batch_size``,
+        or 1 where the calibration's batch did not pay (``seed_batch``)."""
+        if self.batch_ratio is not None and self.batch_ratio >= BATCH_WORTH_SHARE:
+            return 1
+        return self.max_batch_size
 
     def observe(
         self,
@@ -389,7 +419,7 @@ class CapacityModel:
 
     def _streams_of(self, fit: CostFit, window_s: float, limit: int) -> int:
         return streams_within(
-            fit, self.admission_budget_s, window_s, self.max_batch_size, limit, self.lanes
+            fit, self.admission_budget_s, window_s, self.planned_batch_size, limit, self.lanes
         )
 
     def _bounded(self, streams: int) -> int:
@@ -430,7 +460,7 @@ class CapacityModel:
         """
         fit = self.fit
         if fit is None or streams < 1:
-            return self.max_batch_size
+            return self.planned_batch_size
         share = -(-streams // self.lanes)
         window_s = self.typical_window_s
 
@@ -439,7 +469,7 @@ class CapacityModel:
             call_s = fit.batch_s(together, together * window_s)
             return fit.round_s(share, window_s, size) / self.utilization + call_s
 
-        costs = {size: final_s(size) for size in range(1, self.max_batch_size + 1)}
+        costs = {size: final_s(size) for size in range(1, self.planned_batch_size + 1)}
         best = min(costs.values())
         return max(size for size, cost in costs.items() if cost <= best * (1 + _TIE))
 
@@ -468,8 +498,16 @@ class CapacityModel:
         return (
             f"capacity {held} real-time stream(s) on {self.lanes} lane(s), {bounds}; "
             f"measured now {self.measured_streams(limit)}: {self.describe()}; "
-            f"{self.catch_up_calls} catch-up call(s) counted as backlog"
+            f"{self.catch_up_calls} catch-up call(s) counted as backlog; {self._batching()}"
         )
+
+    def _batching(self) -> str:
+        if self.batch_ratio is None:
+            return f"batches of up to {self.max_batch_size}"
+        worth = f"the calibration's batch cost {self.batch_ratio:.2f} of its windows alone"
+        if self.planned_batch_size == 1:
+            return f"no batches ({worth})"
+        return f"batches of up to {self.max_batch_size} ({worth})"
 
     def describe(self) -> str:
         """One line for the log: the fit and what it implies."""

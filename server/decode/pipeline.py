@@ -137,10 +137,18 @@ class _LaneSlot:
     reviving: bool = False  # a dead process lane being replaced
 
 
-# Startup calibration of the capacity model: (windows, seconds of audio each) per timed call,
-# in multiples of the typical window. Batches of one at two lengths and one batch of several
-# tell the per-call, per-window and per-audio-second costs apart.
-_CALIBRATION_SHAPES = ((1, 1.0), (1, 2.0), (4, 1.0))
+# Startup calibration of the capacity model, in multiples of the typical window: each of
+# ``_CALIBRATION_BATCH`` windows of the speech alone, the first twice as long alone, and the
+# same windows as one batch. The batch is timed against its own windows alone because that is
+# what the scheduler weighs (``CapacityModel.batch_size``), and the windows differ: on a
+# 2-core CPU, 4 s windows of this speech cost 0.27-0.58 s alone. There a batch of two cost
+# 1.07-1.12 times its two windows alone (it decodes as long as its longer row, and each row's
+# step costs what it does alone), a batch of four 0.89 times; the seeds used to time one
+# window against a batch of four other ones, and the fit took a 167 ms fixed cost per call
+# that batching saved, so the scheduler batched pairs of streams whose finals then waited for
+# both. The two lengths tell per-audio-second costs from per-window ones.
+_CALIBRATION_BATCH = 2
+_CALIBRATION_LONG = 2.0
 # Each shape is timed this many times and the cheapest kept: the speech decodes to the same
 # tokens each time, so what varies is only what timing adds (a core another process held, a
 # first call's allocations at a new size: tiny.en on a 2-core CPU took 0.37 s for its first
@@ -404,12 +412,19 @@ class Pipeline:
         (``CapacityModel.calibrated_bounds``)."""
         self._update_lanes()  # the seeds' estimate is of every lane that started
         window_s = self.capacity.typical_window_s
-        for windows, multiple in _CALIBRATION_SHAPES:
-            size = min(windows, self.config.max_batch_size)
-            audio_s = window_s * multiple
+        size = min(_CALIBRATION_BATCH, self.config.max_batch_size)
+        shapes: list[tuple[tuple[int, ...], int, float]] = [
+            ((k,), size, window_s) for k in range(size)
+        ]
+        shapes.append(((0,), 1, window_s * _CALIBRATION_LONG))
+        if size > 1:
+            shapes.append((tuple(range(size)), size, window_s))
+        timed: dict[tuple[int, ...], float] = {}  # the windows' costs at the typical length
+        for picks, spread, audio_s in shapes:
             call = functools.partial(
                 _calibration_run,
-                windows=size,
+                picks=picks,
+                spread=spread,
                 audio_s=audio_s,
                 cpu_time=self.config.calibrate_on_cpu_time,
             )
@@ -418,10 +433,16 @@ class Pipeline:
                 logger.warning(
                     "calibration call of %d window(s) failed; the capacity estimate waits "
                     "for the clients' calls",
-                    size,
+                    len(picks),
                 )
                 continue
-            self.capacity.seed([audio_s] * size, min(run.elapsed_s for run in runs))
+            cost_s = min(run.elapsed_s for run in runs)
+            self.capacity.seed([audio_s] * len(picks), cost_s)
+            if audio_s == window_s:
+                timed[picks] = cost_s
+        together = tuple(range(size))
+        if size > 1 and all(p in timed for p in [together, *((k,) for k in together)]):
+            self.capacity.seed_batch([timed[(k,)] for k in together], timed[together])
         bounds = self.capacity.calibrated_bounds()
         if bounds is not None and self.capacity.floor is None:
             self.capacity.set_bounds(*bounds, "startup calibration")
@@ -824,18 +845,22 @@ def _decode_batch(engine: SpeechEngine, windows: list[Window]) -> _BatchRun:
 
 
 def _calibration_run(
-    engine: SpeechEngine, windows: int, audio_s: float, *, cpu_time: bool = False
+    engine: SpeechEngine,
+    picks: tuple[int, ...],
+    spread: int,
+    audio_s: float,
+    *,
+    cpu_time: bool = False,
 ) -> _BatchRun:
-    """Runs on a lane: one timed call on ``windows`` windows of the calibration speech
-    (``server.decode.calibration``; the features are computed before the clock starts).
-    ``cpu_time``: the call's cost is this process's CPU time when that is less than the wall
-    time (the lane waited for a core another process held: measured on 2 cores busy with two
-    other processes, 4 s windows took 2-3 times their wall time alone, their CPU time no more
-    than alone; ``PipelineConfig.calibrate_on_cpu_time``)."""
-    batch = [
-        Window(engine.features(audio), DecodeRequest(audio_s))
-        for audio in speech_windows(windows, audio_s)
-    ]
+    """Runs on a lane: one timed call on the ``picks`` of ``spread`` windows of ``audio_s``
+    spread over the calibration speech (``server.decode.calibration.speech_windows``; the
+    features are computed before the clock starts). ``cpu_time``: the call's cost is this
+    process's CPU time when that is less than the wall time (the lane waited for a core
+    another process held: measured on 2 cores busy with two other processes, 4 s windows
+    took 2-3 times their wall time alone, their CPU time no more than alone;
+    ``PipelineConfig.calibrate_on_cpu_time``)."""
+    windows = speech_windows(spread, audio_s)
+    batch = [Window(engine.features(windows[k]), DecodeRequest(audio_s)) for k in picks]
     cpu_started = time.process_time()
     run = _decode_batch(engine, batch)
     if not cpu_time:
