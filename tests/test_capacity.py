@@ -251,6 +251,9 @@ def test_where_the_calibrations_batch_paid_the_scheduler_may_batch() -> None:
     assert "batches of up to 8 (the calibration's batch cost 0.55" in m.explain(limit=32)
     with pytest.raises(ValueError, match="two or more windows"):
         m.seed_batch([0.1], 0.1)
+    m = model()  # calls too short to time say nothing
+    m.seed_batch([0.0002, 0.0002], 0.0005)
+    assert m.batch_ratio is None and m.planned_batch_size == 8
 
 
 def test_a_machine_too_slow_for_one_stream_still_serves_one() -> None:

@@ -527,7 +527,6 @@ async def test_streams_whose_turns_interleave_are_gathered_into_one_batch(
     assert outcomes == [DriverOutcome.DONE] * 4
     sizes = [len(b) for b in engine.batches]
     # Out of phase by 25 ms a frame apart, the streams would take turns in pairs at best.
-    print("SIZES", sizes)
     assert sum(sizes) / len(sizes) >= 3.0, sizes
 
 

@@ -100,6 +100,10 @@ CATCH_UP_S = 1.5
 # under 0.78 (four streams) to 0.86 (eight) of its windows alone. On a 2-core CPU a batch
 # of two cost 1.07-1.12 times its two windows alone (four: 0.89), on a GPU about half.
 BATCH_WORTH_SHARE = 0.9
+# Windows alone that took less than this in all say nothing about batching: the timing is
+# then scheduling noise (tiny.en's 4 s window takes tens of milliseconds on a GPU, hundreds
+# on a CPU).
+BATCH_VERDICT_MIN_S = 0.005
 # The floor is this share of the calibration's estimate (CapacityModel.calibrated_bounds).
 # Real-time streams' calls cost 0.4-1.4 times what the speech seeds predict (10th to 90th
 # percentile, median 0.6: four streams of jfk.wav on tiny.en, 2-core CPU,
@@ -293,9 +297,11 @@ class CapacityModel:
         """The calibration's batch (``together_s``) against its own windows decoded one by
         one (``alone_s``): where it saved less than ``1 - BATCH_WORTH_SHARE`` of their time,
         streams' windows are not batched (``planned_batch_size``), and the estimate's round
-        is one call per stream."""
+        is one call per stream. No verdict from windows under ``BATCH_VERDICT_MIN_S``."""
         if len(alone_s) < 2 or min(alone_s) <= 0 or together_s <= 0:
             raise ValueError("need two or more windows timed alone and a batch, all > 0 s")
+        if sum(alone_s) < BATCH_VERDICT_MIN_S:
+            return
         self.batch_ratio = together_s / sum(alone_s)
         self._stale = True
         self._held = self._bounded(self.measured_streams())
@@ -445,14 +451,14 @@ class CapacityModel:
 
     def batch_size(self, streams: int) -> int:
         """How many windows an engine call may take with ``streams`` streams open: the batch
-        that brings a word's final soonest, as measured; ``max_batch_size`` before anything
-        was measured.
+        that brings a word's final soonest, as measured, up to ``planned_batch_size`` (1 where
+        the calibration's batch did not pay); that size before anything was measured.
 
         A word is final after the decode that gives it enough audio to its right: that decode
         starts up to one hop after the audio arrived (the hop the lanes sustain with that
         batch, ``stream_hop_s``) and takes one engine call of that batch. Larger batches
         shorten the hop (a call's fixed cost is shared) and lengthen the call (every window
-        waits for all of them). On a CPU, where a batch of two costs nearly two calls, two
+        waits for all of them). On a CPU, where a batch of two costs two calls or more, two
         streams taking turns on a lane beat two batched together; with the decode-time binding
         of windows (``Session.refresh_job``) the one that waited for the lane is decoded up to
         the present, so the wait delays none of its words. Where a call costs about the same
