@@ -413,40 +413,41 @@ class Pipeline:
         self._update_lanes()  # the seeds' estimate is of every lane that started
         window_s = self.capacity.typical_window_s
         size = min(_CALIBRATION_BATCH, self.config.max_batch_size)
-        shapes: list[tuple[tuple[int, ...], int, float]] = [
-            ((k,), size, window_s) for k in range(size)
-        ]
-        shapes.append(((0,), 1, window_s * _CALIBRATION_LONG))
+        alone = [await self._seed(lane, (k,), size, window_s) for k in range(size)]
+        await self._seed(lane, (0,), 1, window_s * _CALIBRATION_LONG)
         if size > 1:
-            shapes.append((tuple(range(size)), size, window_s))
-        timed: dict[tuple[int, ...], float] = {}  # the windows' costs at the typical length
-        for picks, spread, audio_s in shapes:
-            call = functools.partial(
-                _calibration_run,
-                picks=picks,
-                spread=spread,
-                audio_s=audio_s,
-                cpu_time=self.config.calibrate_on_cpu_time,
-            )
-            runs = [await lane.call(call) for _ in range(_CALIBRATION_REPEATS)]
-            if not all(run.whole for run in runs):
-                logger.warning(
-                    "calibration call of %d window(s) failed; the capacity estimate waits "
-                    "for the clients' calls",
-                    len(picks),
-                )
-                continue
-            cost_s = min(run.elapsed_s for run in runs)
-            self.capacity.seed([audio_s] * len(picks), cost_s)
-            if audio_s == window_s:
-                timed[picks] = cost_s
-        together = tuple(range(size))
-        if size > 1 and all(p in timed for p in [together, *((k,) for k in together)]):
-            self.capacity.seed_batch([timed[(k,)] for k in together], timed[together])
+            together = await self._seed(lane, tuple(range(size)), size, window_s)
+            timed = [s for s in alone if s is not None]
+            if together is not None and len(timed) == size:
+                self.capacity.seed_batch(timed, together)
         bounds = self.capacity.calibrated_bounds()
         if bounds is not None and self.capacity.floor is None:
             self.capacity.set_bounds(*bounds, "startup calibration")
         logger.info("capacity model: %s", self.capacity.explain(limit=1 << 16))
+
+    async def _seed(
+        self, lane: ThreadLane, picks: tuple[int, ...], spread: int, audio_s: float
+    ) -> float | None:
+        """One calibration shape (``_calibration_run``), timed ``_CALIBRATION_REPEATS`` times
+        into the capacity model; its cheapest cost, None where a run failed."""
+        call = functools.partial(
+            _calibration_run,
+            picks=picks,
+            spread=spread,
+            audio_s=audio_s,
+            cpu_time=self.config.calibrate_on_cpu_time,
+        )
+        runs = [await lane.call(call) for _ in range(_CALIBRATION_REPEATS)]
+        if not all(run.whole for run in runs):
+            logger.warning(
+                "calibration call of %d window(s) failed; the capacity estimate waits for "
+                "the clients' calls",
+                len(picks),
+            )
+            return None
+        cost_s = min(run.elapsed_s for run in runs)
+        self.capacity.seed([audio_s] * len(picks), cost_s)
+        return cost_s
 
     def _update_lanes(self) -> None:
         lanes = self.lanes
