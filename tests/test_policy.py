@@ -299,6 +299,24 @@ def test_audio_the_server_cut_inside_speech_commits_nothing_at_its_very_end() ->
         tail, window_start_s=0.0, window_end_s=20.3, closing=True, cut_in_speech=True
     )
     assert "".join(w.text for w in cut) == " netherlands by"
+    # Words the alignment packed before the cut, more than 16 a second, go with it: decoded
+    # on from the prompt (seen at a session limit: 17 words in the last 0.34 s).
+    packed = [Word(" country", 8.9, 9.4, 0.9), Word(" and", 9.5, 9.7, 0.9)] + [
+        Word(f" w{k}", 10.33 + 0.02 * k, 10.35 + 0.02 * k, 0.9) for k in range(17)
+    ]
+    cut = CommitPolicy(config).update(
+        packed, window_start_s=0.0, window_end_s=10.7, closing=True, cut_in_speech=True
+    )
+    assert "".join(w.text for w in cut) == " country and"
+    # A word that the packed run would make 16 a second with it goes too: the next session
+    # hears it again.
+    closer = [*packed[:1], Word(" and", 10.0, 10.1, 0.9), *packed[2:]]
+    cut = CommitPolicy(config).update(
+        closer, window_start_s=0.0, window_end_s=10.7, closing=True, cut_in_speech=True
+    )
+    assert "".join(w.text for w in cut) == " country"
+    kept = CommitPolicy(config).update(packed, window_start_s=0.0, window_end_s=10.7, closing=True)
+    assert len(kept) == len(packed)  # not at a cut: the rules for a clip's end apply
     # A word the cut went through started well before it: heard in part, it stays.
     through = [Word(" to", 1.0, 1.3, 0.9), Word(" fo", 1.7, 1.9, 0.2)]
     committed = CommitPolicy(config).update(

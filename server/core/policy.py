@@ -74,6 +74,13 @@ class CommitConfig:
     phrase_slack_s: float = 1.0
     past_audio_margin_s: float = 0.06  # closing: a word starting this near the audio end...
     past_audio_min_probability: float = 0.5  # ...and below this probability is dropped
+    # Where the server cut the audio inside speech, the words before the cut that the
+    # alignment packed tighter than this per word (over the run from any of them to the last)
+    # go too: no one speaks 17 words a second. Seen at a session limit: "And so, you can do
+    # your country can do for you ask what you can do for your country." decoded on from the
+    # prompt into the last 0.34 s, which the page showed as a cue for 0.34 s. The client that
+    # goes on sends that audio again from its last final words, so nothing heard is lost.
+    cut_squeezed_word_s: float = 0.06
 
     def __post_init__(self) -> None:
         if self.agreement_n < 1:
@@ -83,6 +90,7 @@ class CommitConfig:
                 self.min_right_context_s,
                 self.min_window_s,
                 self.past_audio_margin_s,
+                self.cut_squeezed_word_s,
                 self.min_agreement_step_s,
                 self.phrase_slack_s,
                 self.settled_context_s,
@@ -91,7 +99,8 @@ class CommitConfig:
         ):
             raise ValueError(
                 "min_right_context_s, min_window_s, past_audio_margin_s, "
-                "min_agreement_step_s, phrase_slack_s and settled_context_s must be >= 0"
+                "cut_squeezed_word_s, min_agreement_step_s, phrase_slack_s and "
+                "settled_context_s must be >= 0"
             )
         for name in ("min_word_probability", "past_audio_min_probability"):
             if not 0.0 <= getattr(self, name) <= 1.0:
@@ -178,13 +187,28 @@ class CommitPolicy:
         while run > 0 and tail[run - 1].start_s >= window_end_s - c.past_audio_margin_s:
             run -= 1
         if cut_in_speech:
-            return tail[:run]
+            return tail[: self._unsqueezed(tail, run)]
         for k in range(run, len(tail)):
             word = tail[k]
             # punctuation alone never cuts the run
             if normalize_word(word.text) and word.probability < c.past_audio_min_probability:
                 return tail[:k]
         return tail
+
+    def _unsqueezed(self, tail: Sequence[Word], run: int) -> int:
+        """How many words of ``tail[:run]`` to keep before a cut in speech: up to the
+        earliest word from which the words to ``run`` are packed tighter than
+        ``cut_squeezed_word_s`` each (punctuation marks do not count as words)."""
+        if run == 0:
+            return 0
+        end_s = tail[run - 1].end_s
+        keep, spoken = run, 0
+        for k in range(run - 1, -1, -1):
+            if normalize_word(tail[k].text):
+                spoken += 1
+            if spoken and end_s - tail[k].start_s < spoken * self.config.cut_squeezed_word_s:
+                keep = k
+        return keep
 
     def _waiting(self, tail: Sequence[Word], window_start_s: float, window_end_s: float) -> int:
         """How many words at the end of ``tail`` are not ready to commit."""
