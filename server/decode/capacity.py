@@ -289,9 +289,7 @@ class CapacityModel:
         window. The published estimate starts from the seeds' (``measured_streams``)."""
         self._seeds.append(_call(window_audio_s, cost_s))
         self._seed_fit = fit_cost(self._seeds)
-        self._stale = True
-        self._held = self._bounded(self.measured_streams())
-        self._pressure = 0
+        self._restart()
 
     def seed_batch(self, alone_s: Sequence[float], together_s: float) -> None:
         """The calibration's batch (``together_s``) against its own windows decoded one by
@@ -303,6 +301,11 @@ class CapacityModel:
         if sum(alone_s) < BATCH_VERDICT_MIN_S:
             return
         self.batch_ratio = together_s / sum(alone_s)
+        self._restart()
+
+    def _restart(self) -> None:
+        """The calibration changed the model: the published estimate starts again from the
+        measured one."""
         self._stale = True
         self._held = self._bounded(self.measured_streams())
         self._pressure = 0

@@ -747,15 +747,16 @@ class Pipeline:
         self._in_flight.difference_update(batch)
         audio_s = [w.request.audio_s for w in windows]
         self.metrics.observe_batch(len(batch), run.elapsed_s, sum(audio_s))
-        logger.debug(
-            "lane %d: %d window(s) of %s s in %.0f ms, %d stream(s) open, %d queued",
-            slot.index,
-            len(batch),
-            "+".join(f"{s:.1f}" for s in audio_s),
-            run.elapsed_s * 1000,
-            self._streams,
-            len(self._heap),
-        )
+        if logger.isEnabledFor(logging.DEBUG):  # the join is work every call would pay
+            logger.debug(
+                "lane %d: %d window(s) of %s s in %.0f ms, %d stream(s) open, %d queued",
+                slot.index,
+                len(batch),
+                "+".join(f"{s:.1f}" for s in audio_s),
+                run.elapsed_s * 1000,
+                self._streams,
+                len(self._heap),
+            )
         searched = any(w.request.options.searches for w in windows)
         if run.whole and not searched:
             # A failed batch's time (the failure, then each window alone) is not what a
