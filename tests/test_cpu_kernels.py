@@ -54,12 +54,23 @@ def test_softmax_rows_match_float64(shape: tuple[int, ...]) -> None:
     np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
 
 
+def _time_major(x: mx.array) -> mx.array:
+    """(batch, head, time, d) -> (batch, time, head * d): the queries ``attention`` takes."""
+    b, h, t, d = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(b, t, h * d)
+
+
+def _time_major_np(x: np.ndarray) -> np.ndarray:
+    b, h, t, d = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(b, t, h * d)
+
+
 def test_attention_matches_the_fused_library_kernel() -> None:
     rng = np.random.default_rng(2)
     q, k, v = (mx.array(rng.normal(0, 1, (2, 6, 300, 64)).astype(np.float32)) for _ in range(3))
     want = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125))
-    got = np.array(cpu_kernels.attention(q, k, v, 0.125))
-    assert np.abs(got - want).max() < 1e-5
+    got = np.array(cpu_kernels.attention(_time_major(q), k, v, 0.125))
+    assert np.abs(got - _time_major_np(want)).max() < 1e-5
 
 
 def test_masked_attention_matches_the_fused_library_kernel() -> None:
@@ -72,8 +83,23 @@ def test_masked_attention_matches_the_fused_library_kernel() -> None:
     mask[1, 0, :, :30] = -np.inf
     m = mx.array(mask)
     want = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m))
-    got = np.array(cpu_kernels.attention(q, k, v, 0.125, m))
-    assert np.abs(got - want).max() < 1e-5
+    got = np.array(cpu_kernels.attention(_time_major(q), k, v, 0.125, m))
+    assert np.abs(got - _time_major_np(want)).max() < 1e-5
+
+
+def test_a_mask_of_any_rank_broadcasts_as_in_the_library_kernel() -> None:
+    """The word alignment masks with a (time, time) causal mask, the batched prefill with a
+    (batch, 1, 1, keys) padding mask: each broadcasts over what it leaves out."""
+    rng = np.random.default_rng(6)
+    q, k, v = (mx.array(rng.normal(0, 1, (2, 6, 30, 64)).astype(np.float32)) for _ in range(3))
+    causal = np.triu(np.full((30, 30), -np.inf, dtype=np.float32), 1)
+    padding = np.zeros((2, 1, 1, 30), dtype=np.float32)
+    padding[1, 0, 0, 20:] = -np.inf
+    for mask in (causal, padding, causal[None, None]):
+        m = mx.array(mask)
+        want = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m))
+        got = np.array(cpu_kernels.attention(_time_major(q), k, v, 0.125, m))
+        assert np.abs(got - _time_major_np(want)).max() < 1e-5, mask.shape
 
 
 def test_encoder_output_unchanged_on_real_speech(engine: Engine, speech_dir: Path) -> None:

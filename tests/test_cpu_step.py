@@ -119,6 +119,44 @@ def test_a_step_gives_the_logits_of_the_mlx_step(engine: Engine, speech_dir: Pat
     np.testing.assert_allclose(alone[0], ours[1], rtol=1e-5, atol=1e-4)
 
 
+def test_rows_on_one_audio_step_as_rows_with_a_copy_each(engine: Engine, speech_dir: Path) -> None:
+    """A beam search's hypotheses share their audio (``rows_per_audio``): their
+    cross-attention is one product over it, and gives each row the logits it gets with its
+    own copy of the audio (as the hypotheses had before), which are the MLX step's."""
+    decoder = engine.decoder
+    step = decoder._cpu_step
+    assert step is not None
+    window = _windows(engine, speech_dir)[1]
+    cross, _, lengths = decoder._cross(engine.encode([window.mel]))
+    rows = 3
+    copies = [(mx.repeat(k, rows, axis=0), mx.repeat(v, rows, axis=0)) for k, v in cross]
+    prompt = [decoder.vocab.sot, *engine.encode_text(" For a full")]
+    n = len(prompt)
+    causal = np.triu(np.full((n, n), -np.inf, dtype=np.float32), 1)[None, None]
+    _, caches = decoder._blocks(
+        mx.array([prompt] * rows, dtype=mx.int32),
+        mx.array([list(range(n))] * rows, dtype=mx.int32),
+        0,
+        decoder._cache(rows),
+        mx.array(causal),
+        copies,
+        None,
+    )
+    tokens = np.array(engine.encode_text(" hour he had")[:rows], dtype=np.int32)
+    positions = np.full(rows, n, dtype=np.int32)
+    valid = np.ones((rows, engine.dims.n_text_ctx), dtype=np.bool_)
+    step.begin(caches, n, cross, lengths, rows_per_audio=rows)
+    shared = step.forward(list(range(rows)), tokens, positions, n, valid)
+    step.begin(caches, n, copies, lengths * rows)
+    each = step.forward(list(range(rows)), tokens, positions, n, valid)
+    np.testing.assert_allclose(shared, each, rtol=1e-5, atol=1e-4)
+    reference, _ = decoder._forward(
+        mx.array(tokens[:, None]), mx.array(positions[:, None]), n, caches, None, copies, None
+    )
+    assert np.abs(shared - reference).max() < 1e-3 * np.abs(reference).max()
+    assert not np.allclose(shared[0], shared[1])  # rows fed different tokens differ
+
+
 @pytest.mark.parametrize("batch", [1, 2, 4], ids=["one-row", "two-rows", "four-rows"])
 def test_decodes_are_token_identical_to_the_mlx_steps(
     engine: Engine, speech_dir: Path, batch: int

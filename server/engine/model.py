@@ -82,11 +82,10 @@ def attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> m
 def attention_cpu(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.array:
     """``attention`` by ``cpu_kernels`` (twice as fast on the CPU backend) where there are
     enough scores to pay for its dispatches, by the library's kernel otherwise."""
-    b, t_q, d = q.shape
+    t_q = q.shape[1]
     if t_q * k.shape[2] < CPU_ATTENTION_MIN_SCORES:
         return attention(q, k, v, mask)
-    out = cpu_kernels.attention(split_heads(q, k.shape[1]), k, v, k.shape[3] ** -0.5, mask)
-    return out.transpose(0, 2, 1, 3).reshape(b, t_q, d)
+    return cpu_kernels.attention(q, k, v, k.shape[3] ** -0.5, mask)
 
 
 def attention_weights(
