@@ -47,8 +47,10 @@ HEAVY_FIXTURES = frozenset(
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks the heavy tests (``HEAVY_FIXTURES``, ``slow``, ``browser``, and the modules that
-    mark themselves). Under pytest-xdist, the ``slow`` tests go first (order only): started
-    last, a test of minutes keeps one worker busy after the others have run out of work."""
+    mark themselves). Under pytest-xdist, the ``slow`` tests go first, then the ``browser``
+    ones (order only): started last, a test of a minute keeps one worker busy after the
+    others have run out of work. The order is the workers' collection, which the controller
+    schedules from (it collects nothing itself; a worker's ``numprocesses`` is None)."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if (
@@ -57,8 +59,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             or item.get_closest_marker("browser")
         ):
             item.add_marker(pytest.mark.heavy)
-    if getattr(config.option, "numprocesses", None):
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    if hasattr(config, "workerinput"):
+        items.sort(key=_start_order)
+
+
+def _start_order(item: pytest.Item) -> int:
+    if item.get_closest_marker("slow"):
+        return 0
+    return 1 if item.get_closest_marker("browser") else 2
 
 
 @pytest.fixture(scope="session")
