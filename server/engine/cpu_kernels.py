@@ -7,8 +7,7 @@ The encoder evaluates GELU over every (frame, 1536) activation and softmax over 
 on a 10 s window those two functions took 150 of the encoder's 250 ms
 (bench/results/decoder.json has the parts). These versions agree with the exact functions to
 a few float32 ulps, which ``tests/test_cpu_kernels.py`` checks against ``math.erf`` and
-float64 ``exp``. Attention, the largest softmax, takes its exponentials from numpy instead
-(see ``attention``).
+float64 ``exp``. Attention, the largest softmax, runs in numpy instead (see ``attention``).
 
 ``mx.compile`` needs a C++ compiler on the CPU backend; without one MLX evaluates the same
 graph op by op: slower, not different.
