@@ -134,13 +134,14 @@ class StreamingConfig:
     # both 35 errors. Not in "words" finals: there 1.5 s read 139 / 135 against 131 / 137 off.
     utterance_settled_context_s: float = 1.5
     # The same, for a decode that started while more streams were open than the capacity
-    # estimate: each stream's decodes come further apart then, and 1.5 s of settled context
-    # plus that wait made the long utterances' word-by-word finals the p95 (bench-capacity,
-    # eight streams on two cores, final p95 over four or five runs: 2.28-2.73 s, median
-    # 2.48 s, at 1.5 s; 2.07-2.64 s, median 2.21 s, with this; WER 11.4-11.8% either way).
+    # estimate: each stream's decodes come further apart then, and the settled context plus
+    # that wait made the long utterances' word-by-word finals the p95 (bench-capacity, eight
+    # streams on two cores, final p95: 1.5 s 2.28-2.73 s, median 2.48 s; 1.0 s 2.07-2.64 s,
+    # median 2.21 s; session 31, runs interleaved on one machine: 1.0 s 2.02-2.11 s, median
+    # 2.10 s, 0.8 s 1.82-1.97 s, median 1.89 s; WER 11.4-11.8% in every run).
     # Not the default within the estimate: one stream at modelled cost, 1.0 s read test-other
     # 113 / 127 errors against 115 / 129, but LJ long 36 against 34.
-    utterance_busy_settled_context_s: float = 1.0
+    utterance_busy_settled_context_s: float = 0.8
     # In "utterance" finals, a commit cuts the window after the last sentence end in it (or
     # clause end, past ``clause_cut_s``), not only when its last word ends one: the
     # word-by-word decodes past half the window then hear seconds, not 15-30 s (served, a
