@@ -358,6 +358,7 @@ class Contender:
             "whisperwire_decode_batch_size_count",
             "whisperwire_capacity_streams",
             "whisperwire_capacity_measured_streams",
+            "whisperwire_capacity_comfortable_streams",
             "whisperwire_capacity_window_seconds",
             "whisperwire_decode_lanes",
         )
@@ -453,6 +454,8 @@ async def run_count(
             # What the clients' calls alone said at the end, and the window it assumed.
             "capacity_measured_after": int(after["whisperwire_capacity_measured_streams"]),
             "capacity_window_s_after": round(after["whisperwire_capacity_window_seconds"], 2),
+            # The streams within which closings are beam searches (Pipeline.past_comfort).
+            "capacity_comfortable_after": int(after["whisperwire_capacity_comfortable_streams"]),
         }
     else:
         # WhisperLive has no metrics: a refused client is one it answered with WAIT or ERROR.

@@ -97,8 +97,8 @@ class StreamingConfig:
     cut_carry_words: int = 2
     prompt_max_tokens: int = 64  # committed text fed back as context, most recent first
     # Beam width of a window's closing decode (end of speech, flush, end), which commits all
-    # that is left of it; 1: greedy. Run greedy past the capacity estimate
-    # (``Pipeline.past_capacity``).
+    # that is left of it; 1: greedy. Run greedy past the comfortable estimate
+    # (``Pipeline.past_comfort``).
     # Greedy by default: on test-other (bench-accuracy, 40 clips, modelled cost) beam 5 gave
     # 15.42% against 14.64% greedy (min_window_s 4, short speech joined): on the few tokens
     # of a tail, Whisper's length normalisation favours splitting a word into likelier pieces
@@ -240,18 +240,28 @@ class StreamingConfig:
 
 
 MAX_DECODE_LANES = 64  # each lane holds a copy of the model
-# The default share of the hop the admitted streams' round may fill on each lane
-# (``PipelineConfig.admission_utilization``), chosen so that the estimate lands on what
-# ``make bench-capacity`` sustains at final p95 <= 2 s, or one more (tiny.en on a 2-core CPU,
-# bench-decoder 2 s window 91 ms: 4 streams in one sweep, 5 in another; the decode lanes were
-# only ~0.7 busy at 4-6 streams: the latency limit comes before the cores are full). Thirteen
-# quiet startups there timed a 4 s window of the calibration speech at 0.21-0.25 s; with the
-# round shared by the lanes (server.decode.capacity) their seeds give 4-5 streams at
-# 0.66-0.68, 4-6 at 0.69-0.7 (two 4, ten 5, one 6). At 0.7 two one-lane instances on those
-# two cores say two streams each (a 4 s window 0.28-0.34 s), what half the machine carries;
-# two that calibrate at the same moment time each other (0.37-0.51 s) and may say one
-# (deploy/README.md).
-ADMISSION_UTILIZATION = 0.7
+# The default share of the hop within which the streams' round leaves the lanes time to
+# spare (``PipelineConfig.comfort_utilization``): within it closing decodes asked as beam
+# searches are searched and words settle with the full context (``Pipeline.past_comfort``).
+# It was the admission budget until session 32, chosen so that the estimate landed on what
+# ``make bench-capacity`` sustained at final p95 <= 2 s with beam closings (tiny.en on a
+# 2-core CPU, bench-decoder 2 s window 91 ms: 4 streams in one sweep, 5 in another). Quiet
+# startups there timed a 4 s window of the calibration speech at 0.21-0.25 s, which gives
+# 4-6 streams at 0.7; on a machine whose 2 s window takes 133-153 ms, 0.29-0.35 s and 3-4.
+# At 0.9 five streams there got beam closings, and read final p95 2.21 s (session 31).
+COMFORT_UTILIZATION = 0.7
+# The default admission budget (``PipelineConfig.admission_utilization``): the admitted
+# streams' round may take this many hops on each lane. Past the comfortable estimate the
+# cadence stretches every stream's hop and closings are greedy, and finals stay within 2 s
+# well past a round of one hop: eight streams on a 2-core CPU (round 1.3-1.6 hops) read final
+# p95 1.82-1.97 s in session 31 and 1.84 s in session 32, nine 2.15 s, ten 2.01-2.18 s
+# (bench-capacity, 2 s window 120-151 ms). The calibration there timed a 4 s window of its
+# speech at 0.29-0.35 s, so 1.5 says 8-10 at startup (1.4: 7-9); the clients' calls of eight
+# streams fit 9-11, held within the startup ceiling (server.decode.capacity).
+ADMISSION_UTILIZATION = 1.5
+# The admission budget may pass the hop, up to this: a round of two hops leaves a stream's
+# words two hops and a decode behind, past the 2 s of the finals' target.
+MAX_ADMISSION_UTILIZATION = 2.0
 
 
 @dataclass(frozen=True)
@@ -268,11 +278,14 @@ class PipelineConfig:
     max_queued_windows: int = 256  # windows waiting for a decode lane; more wait upstream
     capacity_hop_s: float = 1.0  # the longest a stream may wait between two of its decodes
     capacity_utilization: float = 0.8  # share of that hop the decode lanes may plan to be busy
-    # The share of that hop the admitted streams' round may fill on each lane:
-    # the capacity estimate, and nothing else. The scheduler's cadence (how long a stream
-    # gathers audio between decodes under load) keeps ``capacity_utilization``: lowering
-    # that to admit fewer streams would also slow every admitted stream's decodes.
+    # How much of that hop (up to twice it) the admitted streams' round may take on each
+    # lane: the capacity estimate, and nothing else. The scheduler's cadence (how long a
+    # stream gathers audio between decodes under load) keeps ``capacity_utilization``:
+    # lowering that to admit fewer streams would also slow every admitted stream's decodes.
     admission_utilization: float = ADMISSION_UTILIZATION
+    # The share of the hop within which the lanes have time to spare for beam closings and
+    # the full settled context; at most ``admission_utilization``.
+    comfort_utilization: float = COMFORT_UTILIZATION
     # The head start in the queue of a decode a listener waits on (an utterance's first words,
     # a closing decode: ``DecodeJob.urgent``) over routine re-decodes: it goes before every
     # routine window queued less than this before it, and after older ones, so a routine
@@ -304,9 +317,15 @@ class PipelineConfig:
             raise ValueError(
                 f"capacity_utilization must be in (0, 1]; got {self.capacity_utilization}"
             )
-        if not 0 < self.admission_utilization <= 1:
+        if not 0 < self.admission_utilization <= MAX_ADMISSION_UTILIZATION:
             raise ValueError(
-                f"admission_utilization must be in (0, 1]; got {self.admission_utilization}"
+                f"admission_utilization must be in (0, {MAX_ADMISSION_UTILIZATION:g}]; "
+                f"got {self.admission_utilization}"
+            )
+        if not 0 < self.comfort_utilization <= min(1.0, self.admission_utilization):
+            raise ValueError(
+                "comfort_utilization must be in (0, 1] and at most admission_utilization; "
+                f"got {self.comfort_utilization}"
             )
         if not 0 <= self.urgent_head_start_ms <= 10_000:
             raise ValueError(

@@ -263,6 +263,11 @@ class Metrics:
             "The time a decode lane's round of its share of the admitted streams may take "
             "(--capacity-hop-s times --admission-utilization)",
         )
+        self.capacity_comfortable_streams = Gauge(
+            "whisperwire_capacity_comfortable_streams",
+            "Streams the decode lanes carry with time to spare (--comfort-utilization): past "
+            "it, closing decodes asked as a beam search run greedy",
+        )
         self.capacity_window_s = Gauge(
             "whisperwire_capacity_window_seconds",
             "Typical audio of a real-time stream's window (median of the recent ones)",
@@ -288,7 +293,8 @@ class Metrics:
         self.beam_searches_made_greedy = Counter(
             "whisperwire_beam_searches_made_greedy_total",
             "Closing decodes asked as a beam search and run greedy: more streams open than "
-            "the capacity estimate and the lanes leave room for",
+            "the comfortable estimate (whisperwire_capacity_comfortable_streams) and the lanes "
+            "leave room for",
         )
 
     def all(self) -> list[_Metric]:
@@ -317,6 +323,7 @@ class Metrics:
             self.capacity_floor_streams,
             self.capacity_ceiling_streams,
             self.capacity_admission_budget_s,
+            self.capacity_comfortable_streams,
             self.capacity_window_s,
             self.capacity_window_cost_s,
             self.capacity_catch_up_calls,

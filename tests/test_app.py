@@ -483,6 +483,7 @@ async def test_http_routes(server_url: str) -> None:
         "whisperwire_capacity_floor_streams",
         "whisperwire_capacity_ceiling_streams",
         "whisperwire_capacity_admission_budget_seconds",
+        "whisperwire_capacity_comfortable_streams",
         "whisperwire_capacity_window_seconds",
         "whisperwire_capacity_window_cost_seconds",
         "whisperwire_capacity_catch_up_calls_total",
@@ -1037,6 +1038,8 @@ async def test_a_stream_beyond_the_capacity_estimate_is_refused_at_once(speech_d
         page = srv.metrics.render()
         assert metric_value(page, "whisperwire_capacity_streams") == 2  # from the seeds
         assert metric_value(page, "whisperwire_capacity_admission_budget_seconds") == 0.6
+        # Within 0.7 of the hop (0.42 s), one window (0.3 s) fits and a batch of two does not.
+        assert metric_value(page, "whisperwire_capacity_comfortable_streams") == 1
         assert metric_value(page, "whisperwire_capacity_headroom_streams") == 2
         async with connect(url) as first, connect(url) as second:
             for ws in (first, second):

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).parent.parent
 # The typical window before any client's, which the calibration's shapes are multiples of.
 WINDOW_S = CapacityModel(
-    hop_s=1.0, utilization=1.0, admission_utilization=1.0, max_batch_size=1
+    hop_s=1.0, utilization=1.0, admission_utilization=1.0, comfort_utilization=1.0, max_batch_size=1
 ).default_window_s
 FRAME = 480  # 30 ms
 

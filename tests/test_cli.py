@@ -12,7 +12,7 @@ import pytest
 
 from server.config import StreamingConfig
 from server.core.policy import CommitConfig
-from server.serve.cli import build_parser, main
+from server.serve.cli import build_parser, main, pipeline_config
 
 
 def test_decode_lanes_default_to_auto_and_take_a_count() -> None:
@@ -150,7 +150,7 @@ def test_finals_default_per_utterance_for_v1_and_word_by_word_for_voice_agents()
 def test_admission_has_a_flag_of_its_own_and_is_checked(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from server.config import ADMISSION_UTILIZATION, PipelineConfig
+    from server.config import ADMISSION_UTILIZATION, COMFORT_UTILIZATION, PipelineConfig
 
     parser = build_parser()
     args = parser.parse_args([])
@@ -158,8 +158,26 @@ def test_admission_has_a_flag_of_its_own_and_is_checked(
     assert args.admission_utilization == ADMISSION_UTILIZATION
     assert args.capacity_utilization == PipelineConfig().capacity_utilization
     assert parser.parse_args(["--admission-utilization", "0.5"]).admission_utilization == 0.5
-    for bad in ("0", "1.5"):
+    # Past the hop: the admitted streams' round may take longer than it.
+    assert parser.parse_args(["--admission-utilization", "1.5"]).admission_utilization == 1.5
+    for bad in ("0", "2.5"):
         with pytest.raises(SystemExit) as exited:
             main(["--admission-utilization", bad])
         assert exited.value.code == 2
-        assert "admission_utilization must be in (0, 1]" in capsys.readouterr().err
+        assert "admission_utilization must be in (0, 2]" in capsys.readouterr().err
+    assert pipeline_config(args).comfort_utilization == COMFORT_UTILIZATION
+    lower = pipeline_config(parser.parse_args(["--admission-utilization", "0.5"]))
+    assert (lower.admission_utilization, lower.comfort_utilization) == (0.5, 0.5)
+    both = ["--comfort-utilization", "0.3", "--admission-utilization", "0.5"]
+    assert pipeline_config(parser.parse_args(both)).comfort_utilization == 0.3
+    bad_comfort = (
+        ["--comfort-utilization", "1.2"],  # past the hop
+        ["--comfort-utilization", "0.6", "--admission-utilization", "0.5"],
+    )
+    for argv in bad_comfort:
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+        assert "comfort_utilization must be in (0, 1] and at most admission" in (
+            capsys.readouterr().err
+        )

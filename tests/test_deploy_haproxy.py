@@ -744,8 +744,9 @@ async def test_as_many_sessions_at_once_as_two_fresh_instances_carry_are_all_ser
     speech_dir: Path, manifest: list[ManifestRow], tmp_path: Path
 ) -> None:
     """#32: two fresh instances with the admission on, and as many v1 sessions as they say
-    they carry together (up to four: each one-lane instance carries two on our CPUs, where
-    a 2 s window takes about 90 ms; one on a machine three times slower) opened at once
+    they carry together (up to four: each one-lane instance says four on our CPUs since the
+    admission budget passed the hop, two before, one on a machine three times slower) opened
+    at once
     through the shipped HAProxy config, first as fast as they go (the burst that used to take
     the estimate down), then in real time: none refused, each transcribes its own clip. What
     a machine carries is bench-capacity's to measure; this holds the balancer and the

@@ -347,7 +347,8 @@ async def test_a_closing_beam_search_runs_greedy_past_the_capacity_estimate(
     engine = ScriptedEngine()
     pipeline = Pipeline(PipelineConfig(max_batch_size=1, batch_wait_ms=0.0))
     await pipeline.start(lambda: engine)
-    pipeline.capacity.set_bounds(2, 2, "test")
+    for estimate in pipeline.capacity.estimates:
+        estimate.set_bounds(2, 2, "test")
     engine.beam_sizes.clear()
     for _ in range(streams):
         pipeline.add_stream()
@@ -361,7 +362,7 @@ async def test_a_closing_beam_search_runs_greedy_past_the_capacity_estimate(
         futures = await queue_jobs(pipeline, [closing, routine])
         await asyncio.wait_for(asyncio.gather(*futures), WAIT_S)
         assert engine.beam_sizes == [[beam_size], [1]]
-        assert pipeline.past_capacity == (beam_size == 1)
+        assert pipeline.past_comfort == (beam_size == 1)
         metrics = pipeline.metrics
         assert (metrics.beam_searches.value(), metrics.beam_searches_made_greedy.value()) == (
             (1, 0) if beam_size > 1 else (0, 1)
@@ -687,7 +688,9 @@ async def test_admission_has_its_own_budget_and_the_cadence_keeps_the_utilizatio
     for admission_utilization in (0.8, 0.2):
         engine = ScriptedEngine(call_cost_s=0.05, window_cost_s=0.1)
         config = PipelineConfig(
-            capacity_utilization=0.8, admission_utilization=admission_utilization
+            capacity_utilization=0.8,
+            admission_utilization=admission_utilization,
+            comfort_utilization=0.2,
         )
         pipeline = Pipeline(config)
         await pipeline.start(lambda: engine)  # noqa: B023 (awaited within the iteration)
@@ -929,13 +932,17 @@ async def test_the_calibration_on_cpu_time_leaves_out_the_time_a_lane_waited_off
     CPU backend's), the wait is not what a stream costs."""
     bounds: dict[bool, tuple[int | None, int | None]] = {}
     for cpu_time in (False, True):
-        engine = ScriptedEngine(window_cost_s=0.85)  # over the 0.7 s admission round budget
-        pipeline = Pipeline(PipelineConfig(max_batch_size=1, calibrate_on_cpu_time=cpu_time))
+        engine = ScriptedEngine(window_cost_s=0.85)  # over a 0.7 s admission round budget
+        config = PipelineConfig(
+            max_batch_size=1, calibrate_on_cpu_time=cpu_time, admission_utilization=0.7
+        )
+        pipeline = Pipeline(config)
         await pipeline.start(lambda: engine)  # noqa: B023 (awaited within the iteration)
         try:
             # The calibration's calls without batches: a window, and one twice as long, twice each.
             assert len(engine.batches) == 4
-            bounds[cpu_time] = (pipeline.capacity.floor, pipeline.capacity.ceiling)
+            admission = pipeline.capacity.admission
+            bounds[cpu_time] = (admission.floor, admission.ceiling)
         finally:
             await pipeline.close()
     assert bounds[False] == (1, 1)

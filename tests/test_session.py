@@ -1003,9 +1003,9 @@ class FirstWordEngine(ScriptedEngine):
         )
 
 
-@pytest.mark.parametrize("past_capacity", [False, True])
+@pytest.mark.parametrize("past_comfort", [False, True])
 def test_past_the_capacity_estimate_a_long_utterances_words_settle_with_less_context(
-    speech_dir: Path, past_capacity: bool
+    speech_dir: Path, past_comfort: bool
 ) -> None:
     """Per utterance, words the decodes read differently become final once the newest decode
     heard ``utterance_settled_context_s`` of audio after them; on a job made while more streams
@@ -1015,13 +1015,13 @@ def test_past_the_capacity_estimate_a_long_utterances_words_settle_with_less_con
     session.configure(StreamSettings(finals="utterance"))
     clip = load_clip(speech_dir / LONG_SPEECH_CLIP)[: 20 * SAMPLE_RATE_HZ]
     log = _drive_logging_jobs(
-        session, FirstWordEngine(), _frames_of(clip, chunk_s=0.1), past_capacity=past_capacity
+        session, FirstWordEngine(), _frames_of(clip, chunk_s=0.1), past_comfort=past_comfort
     )
     jobs = [job for _, job in log if isinstance(job, DecodeJob)]
-    assert jobs and all(job.past_capacity == past_capacity for job in jobs)
+    assert jobs and all(job.past_comfort == past_comfort for job in jobs)
     context_s = (
         config.utterance_busy_settled_context_s
-        if past_capacity
+        if past_comfort
         else config.utterance_settled_context_s
     )
     early = _open_finals(log)
@@ -1757,11 +1757,11 @@ def _drive_logging_jobs(
     *,
     min_hop_s: float = 0.0,
     crowded: bool = False,
-    past_capacity: bool = False,
+    past_comfort: bool = False,
 ) -> list[tuple[int, SessionEvent | DecodeJob]]:
     """Feed ``frames`` (then ``end``) answering each decode at once; every event and job,
     in order, with the number of frames fed when it came. ``min_hop_s``, ``crowded``,
-    ``past_capacity``: the scheduler's load, as ``next_job`` takes it."""
+    ``past_comfort``: the scheduler's load, as ``next_job`` takes it."""
     log: list[tuple[int, SessionEvent | DecodeJob]] = []
     for fed, frame in enumerate([*frames, None], start=1):
         if frame is None:
@@ -1773,7 +1773,7 @@ def _drive_logging_jobs(
             not session.busy
             and (
                 job := session.next_job(
-                    min_hop_s=min_hop_s, crowded=crowded, past_capacity=past_capacity
+                    min_hop_s=min_hop_s, crowded=crowded, past_comfort=past_comfort
                 )
             )
             is not None

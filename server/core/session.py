@@ -139,9 +139,10 @@ class DecodeJob:
     # before the endpoint (``StreamingConfig.speculative_closing``): it closes the utterance
     # if the endpoint comes where it ended, and is an ordinary re-decode if speech goes on.
     speculative: bool = False
-    # Created (or brought up to date) while more streams were open than the server's capacity
-    # estimate: its words need less settled context (``utterance_busy_settled_context_s``).
-    past_capacity: bool = False
+    # Created (or brought up to date) while more streams were open than the server's
+    # comfortable estimate (``Pipeline.past_comfort``): its words need less settled context
+    # (``utterance_busy_settled_context_s``).
+    past_comfort: bool = False
 
     @property
     def end_sample(self) -> int:
@@ -529,7 +530,7 @@ class Session:
 
     # -- decode jobs ---------------------------------------------------------------------
     def next_job(
-        self, *, min_hop_s: float = 0.0, crowded: bool = False, past_capacity: bool = False
+        self, *, min_hop_s: float = 0.0, crowded: bool = False, past_comfort: bool = False
     ) -> DecodeJob | None:
         """The next window to decode, or None (one job per session is in flight at most).
 
@@ -537,8 +538,8 @@ class Session:
         the server gets busier (``Pipeline.stream_hop_s``); the session's own cadence applies
         when it is higher. Closing decodes and an utterance's first words never wait for it.
         ``crowded``: streams outnumber the decode lanes, and windows are capped at
-        ``crowded_max_window_s``. ``past_capacity``: more streams are open than the server's
-        capacity estimate (``DecodeJob.past_capacity``).
+        ``crowded_max_window_s``. ``past_comfort``: more streams are open than the server's
+        comfortable estimate (``DecodeJob.past_comfort``).
         """
         if self._in_flight is not None or not self._utterances:
             return None
@@ -547,7 +548,7 @@ class Session:
             if utt.end is None and self._vad.tentative_end == utt.speculation[0].end_sample:
                 return None  # the silence goes on: the endpoint decides
             self._release_speculation(utt)
-            return self.next_job(min_hop_s=min_hop_s, crowded=crowded, past_capacity=past_capacity)
+            return self.next_job(min_hop_s=min_hop_s, crowded=crowded, past_comfort=past_comfort)
         closing = utt.end is not None
         end = utt.end if utt.end is not None else self._buffer.end
         speculative = self._speculative_end(utt, crowded)
@@ -558,7 +559,7 @@ class Session:
                 closing=True,
                 job_id=self._next_job_id,
                 speculative=True,
-                past_capacity=past_capacity,
+                past_comfort=past_comfort,
             )
             self._next_job_id += 1
             utt.decoded_to = utt.speculated_to = speculative
@@ -589,9 +590,9 @@ class Session:
             # may have been the last thing ``done`` waited for.
             self._finish_utterance_if_closed(utt, decoded=True)
             self._maybe_done()
-            return self.next_job(min_hop_s=min_hop_s, crowded=crowded, past_capacity=past_capacity)
+            return self.next_job(min_hop_s=min_hop_s, crowded=crowded, past_comfort=past_comfort)
         job = self._job(
-            utt, end, closing=closing, job_id=self._next_job_id, past_capacity=past_capacity
+            utt, end, closing=closing, job_id=self._next_job_id, past_comfort=past_comfort
         )
         self._next_job_id += 1
         utt.decoded_to = end
@@ -599,7 +600,7 @@ class Session:
         return job
 
     def supersede_job(
-        self, *, crowded: bool = False, past_capacity: bool = False
+        self, *, crowded: bool = False, past_comfort: bool = False
     ) -> DecodeJob | None:
         """The utterance's closing decode, to start now in place of the decode in flight, or
         None. The caller drops the job in flight (its result is never folded in) and asks only
@@ -633,7 +634,7 @@ class Session:
         ):
             return None
         self._in_flight = None
-        replacement = self.next_job(crowded=crowded, past_capacity=past_capacity)
+        replacement = self.next_job(crowded=crowded, past_comfort=past_comfort)
         if replacement is None:
             self._in_flight = job  # nothing to start after all: the decode in flight stays
         else:
@@ -703,7 +704,7 @@ class Session:
         self.receive_result(job, result)
 
     def refresh_job(
-        self, job: DecodeJob, *, crowded: bool = False, past_capacity: bool = False
+        self, job: DecodeJob, *, crowded: bool = False, past_comfort: bool = False
     ) -> DecodeJob:
         """``job``, still waiting for a decode lane, over the audio that arrived meanwhile.
 
@@ -733,7 +734,7 @@ class Session:
                 options=self._options(utt, closing=closing),
             ),
             closing=closing,
-            past_capacity=past_capacity,
+            past_comfort=past_comfort,
         )
         utt.decoded_to = end
         self._in_flight = fresh
@@ -745,8 +746,8 @@ class Session:
 
     def _settled_context_s(self, job: DecodeJob) -> float | None:
         """The settled context ``job``'s words commit with (``CommitPolicy.update``): less
-        past the capacity estimate; None: the policy's own."""
-        if not job.past_capacity:
+        past the comfortable estimate; None: the policy's own."""
+        if not job.past_comfort:
             return None
         c = self.streaming
         return min(c.commit.settled_context_s, c.utterance_busy_settled_context_s)
@@ -754,7 +755,7 @@ class Session:
     def _options(self, utt: _Utterance, *, closing: bool) -> DecodeOptions:
         """The decode options of ``utt``'s next window: its language (or detection), and a
         beam search for a closing decode (which the scheduler runs greedy when the lanes
-        cannot afford it: ``Pipeline.past_capacity``)."""
+        cannot afford it: ``Pipeline.past_comfort``)."""
         detector = self._detecting
         beam = self.streaming.closing_beam_size if closing else 1
         if utt.language is not None or detector is None:
@@ -783,7 +784,7 @@ class Session:
         closing: bool,
         job_id: int,
         speculative: bool = False,
-        past_capacity: bool = False,
+        past_comfort: bool = False,
     ) -> DecodeJob:
         """The decode of ``utt``'s window up to ``end``."""
         audio = self._buffer.slice(utt.window_start, end)
@@ -805,7 +806,7 @@ class Session:
             closing=closing,
             urgent=closing or self._awaits_first_words(utt, end),
             speculative=speculative,
-            past_capacity=past_capacity,
+            past_comfort=past_comfort,
         )
 
     def receive_result(self, job: DecodeJob, result: DecodeResult) -> None:

@@ -31,19 +31,29 @@ window where batches do not pay on this machine (``planned_batch_size``: a CPU).
 those calls from one queue, side by side (each is a core of its own, and its calls are timed
 as they ran, next to the others), so the round is shared among them. The capacity is the
 largest ``N`` whose round fits in ``lanes * hop_s * admission_utilization``: ``hop_s`` is the
-longest a stream may wait between two decodes, ``admission_utilization`` the share of it the
-admitted streams' round may fill. Counted lane by lane instead (each lane ``ceil(N / lanes)``
+wait between two decodes of a stream that the cadence plans for at light load,
+``admission_utilization`` how much of it (or how many of it: **Three budgets**) the admitted
+streams' round may take. Counted lane by lane instead (each lane ``ceil(N / lanes)``
 windows), the estimate moved in steps of the lane count: on two lanes, calls a few percent
 dearer took it from 4 to 2, and refused the third stream of a machine that carries four.
 
-**Two budgets.** ``utilization`` is the share of the hop a lane may plan to be busy at the
+**Three budgets.** ``utilization`` is the share of the hop a lane may plan to be busy at the
 load it has (the rest absorbs bursts, loop-guard retries and other work on the same cores):
 the scheduler's cadence (``stream_hop_s``) and batches (``batch_size``) keep within it.
-Admission has a budget of its own (``admission_utilization``): what limits the streams a
-machine carries is the latency of their finals, whose p95 passes 2 s before the cores are
-full (tiny.en on a 2-core CPU: beyond 4 streams, with the lanes ~0.7 busy), while a round
-that fills ``utilization`` measures throughput. Lowering ``utilization`` instead would also
-stretch every admitted stream's cadence under load.
+Admission has a budget of its own (``admission_utilization``), and so has the line past
+which the lanes are short of time (``comfort_utilization``); each gives a published estimate
+(``streams``, ``comfortable_streams``). What limits the streams a machine carries is the
+latency of their finals, and that is not the round of one window per stream per hop: as
+streams are added, the cadence stretches every stream's hop (each decode then holds more new
+audio), and eight streams on a 2-core CPU, whose round is 1.3-1.6 hops, still have their
+finals within 2 s (bench-capacity, session 31). So the admission budget may pass the hop
+(``server.config.ADMISSION_UTILIZATION``). Within the comfortable estimate, the lanes have
+time for what a stream's latency can spare: closing decodes asked as beam searches run as
+beam searches, and words settle with the full context; past it, closings are greedy and
+words settle sooner (``Pipeline.past_comfort``). One budget for both (before session 32)
+made a choice between refusing streams the machine carries and giving beam closings to
+streams that cannot afford them: at 0.7 the estimate said 4 where the machine carries 8,
+at 0.9 it said 5 and five streams with beam closings read 2.21 s.
 
 **What a real-time stream costs, not whatever calls happened.** Three things kept a burst of
 clients sending faster than real time (``whisperwire stream --pace 0``) from being taken for
@@ -58,14 +68,15 @@ what a stream costs; before them, four such clients on a 2-core CPU moved the es
   many times real time on the same cores (the same windows cost 1.4-1.7 times what they do
   at 1x). Such calls are counted (``catch_up_calls``), not fitted, and their windows are
   not typical.
-- *Hysteresis.* The published estimate (``streams``) follows the fit's (``measured_streams``)
-  one stream at a time, and only after ``settle_calls`` fitted calls in a row said it should:
-  the seeds are rescaled to the level of the clients' calls (``seed_scale``), so a handful
-  of calls would otherwise replace the whole estimate.
-- *A floor and a ceiling from this machine* (``set_bounds``, ``calibrated_bounds``): the
-  startup calibration's own figure is the ceiling and ``FLOOR_SHARE`` of it the floor; an
-  operator who measured the machine (``make bench-capacity``) pins both with
-  ``--capacity``.
+- *Hysteresis.* Each published estimate (``HeldEstimate``) follows the fit's
+  (``measured_streams``) one stream at a time, and only after ``settle_calls`` fitted calls
+  in a row said it should: the seeds are rescaled to the level of the clients' calls
+  (``seed_scale``), so a handful of calls would otherwise replace the whole estimate.
+- *A floor and a ceiling from this machine* (``bound_by_calibration``,
+  ``calibrated_bounds``): the startup calibration's own figure is the ceiling and
+  ``FLOOR_SHARE`` of it the floor; an operator who measured the machine
+  (``make bench-capacity``) pins the admission estimate with ``--capacity``
+  (``set_bounds``).
 """
 
 from __future__ import annotations
@@ -78,6 +89,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from server.config import MAX_ADMISSION_UTILIZATION
 
 # Columns of the design matrix, in this order: windows, audio seconds, 1 (the fixed cost).
 # Subsets are tried with the per-window term first: when two subsets fit equally well (the
@@ -105,11 +118,12 @@ BATCH_WORTH_SHARE = 0.9
 # on a CPU).
 BATCH_VERDICT_MIN_S = 0.005
 # The floor is this share of the calibration's estimate (CapacityModel.calibrated_bounds).
-# Real-time streams' calls cost 0.4-1.4 times what the speech seeds predict (10th to 90th
-# percentile, median 0.6: four streams of jfk.wav on tiny.en, 2-core CPU,
-# tests/capacity_calls.json), so a fit that says less than half the seeds' figure is taken
-# for calls the server was disturbed in (another process on the cores, a stall), not for
-# what the machine carries.
+# Real-time streams' calls cost a median 0.6-0.7 times what the speech seeds predict, and
+# their fit says more streams than the seeds, not fewer (four streams of jfk.wav on tiny.en,
+# 2-core CPU: 6 against 4; eight streams of bench-capacity's recordings: 10 against 8 at the
+# admission budget, tests/capacity_calls.json), so a fit that says less than half the seeds'
+# figure is taken for calls the server was disturbed in (another process on the cores, a
+# stall), not for what the machine carries.
 FLOOR_SHARE = 0.5
 
 
@@ -210,6 +224,71 @@ def streams_within(
     return low
 
 
+class HeldEstimate:
+    """A published stream count of ``CapacityModel``: one for admission, one for the line past
+    which the lanes are short of time. It follows the measured figure for its own budget
+    (``utilization``: how much of the hop its streams' round may take) one stream at a time,
+    after ``settle_calls`` fitted calls in a row pointed the same way, within a floor and a
+    ceiling."""
+
+    def __init__(self, utilization: float) -> None:
+        self.utilization = utilization
+        self.floor: int | None = None  # set_bounds; None: 1
+        self.ceiling: int | None = None  # set_bounds; None: no ceiling but the caller's limit
+        self.bounds_source = "none"  # where the bounds came from, for /readyz
+        self.held: int | None = None  # the published figure, once anything was measured
+        # Fitted calls in a row whose measured figure was above (+) or below (-) the held one.
+        self._pressure = 0
+
+    @property
+    def pinned(self) -> bool:
+        return self.floor is not None and self.floor == self.ceiling
+
+    def published(self, limit: int) -> int:
+        """Between 1 and ``limit``; ``limit`` while nothing has been measured."""
+        if self.held is None:
+            return limit
+        return max(1, min(limit, self.held))
+
+    def set_bounds(self, floor: int, ceiling: int, source: str) -> None:
+        if not 1 <= floor <= ceiling:
+            raise ValueError(f"need 1 <= floor <= ceiling; got {floor}, {ceiling}")
+        self.floor, self.ceiling, self.bounds_source = floor, ceiling, source
+        if self.held is not None or floor == ceiling:
+            self.held = self.bounded(self.held if self.held is not None else ceiling)
+
+    def bounded(self, streams: int) -> int:
+        if self.ceiling is not None:
+            streams = min(streams, self.ceiling)
+        return max(streams, self.floor or 1)
+
+    def restart(self, measured: int) -> None:
+        """The calibration changed the model: start again from the measured figure."""
+        self.held = self.bounded(measured)
+        self._pressure = 0
+
+    def follow(self, measured: int, settle_calls: int) -> None:
+        """One fitted call: move one stream toward ``measured`` once ``settle_calls`` calls in
+        a row pointed the same way."""
+        target = self.bounded(measured)
+        if self.held is None:
+            self.held = target
+            return
+        if target == self.held:
+            self._pressure = 0
+            return
+        step = 1 if target > self.held else -1
+        self._pressure = self._pressure + step if self._pressure * step >= 0 else step
+        if abs(self._pressure) >= settle_calls:
+            self.held += step
+            self._pressure = 0
+
+    def describe_bounds(self, limit: int) -> str:
+        if self.pinned:
+            return f"pinned at {self.floor} by {self.bounds_source}"
+        return f"held within {self.floor or 1}-{self.ceiling or limit} ({self.bounds_source})"
+
+
 class CapacityModel:
     """The recent engine calls, the cost fitted to them, and the stream count it implies.
 
@@ -223,9 +302,10 @@ class CapacityModel:
     calls alone cannot tell its terms apart (one call, or all of one size).
 
     ``observe`` counts a call holding a catch-up window as backlog (``catch_up_calls``) and
-    fits the others; ``streams`` is the published estimate, which follows ``measured_streams``
-    by one stream per ``settle_calls`` fitted calls that agree, within ``set_bounds``. Not
-    thread-safe: the event loop owns it.
+    fits the others. Two published estimates follow the fit (``HeldEstimate``): ``admission``
+    (``streams``: how many streams to admit) and ``comfort`` (``comfortable_streams``: how many
+    the lanes carry with time to spare for beam closings). Not thread-safe: the event loop
+    owns it.
     """
 
     def __init__(
@@ -234,6 +314,7 @@ class CapacityModel:
         hop_s: float,
         utilization: float,
         admission_utilization: float,
+        comfort_utilization: float,
         max_batch_size: int,
         calls_per_size: int = 32,
         recent_windows: int = 256,
@@ -242,12 +323,18 @@ class CapacityModel:
     ) -> None:
         if hop_s <= 0:
             raise ValueError(f"hop_s must be > 0; got {hop_s}")
-        for name, share in (
-            ("utilization", utilization),
-            ("admission_utilization", admission_utilization),
+        for name, share, most in (
+            ("utilization", utilization, 1.0),
+            ("comfort_utilization", comfort_utilization, 1.0),
+            ("admission_utilization", admission_utilization, MAX_ADMISSION_UTILIZATION),
         ):
-            if not 0 < share <= 1:
-                raise ValueError(f"{name} must be in (0, 1]; got {share}")
+            if not 0 < share <= most:
+                raise ValueError(f"{name} must be in (0, {most:g}]; got {share}")
+        if comfort_utilization > admission_utilization:
+            raise ValueError(
+                f"comfort_utilization ({comfort_utilization}) must not exceed "
+                f"admission_utilization ({admission_utilization})"
+            )
         if min(max_batch_size, calls_per_size, recent_windows, settle_calls) < 1:
             raise ValueError(
                 "max_batch_size, calls_per_size, recent_windows and settle_calls must be >= 1"
@@ -256,7 +343,8 @@ class CapacityModel:
             raise ValueError(f"default_window_s must be > 0; got {default_window_s}")
         self.hop_s = hop_s
         self.utilization = utilization  # the cadence's: stream_hop_s, batch_size
-        self.admission_utilization = admission_utilization  # the estimate's
+        self.admission = HeldEstimate(admission_utilization)
+        self.comfort = HeldEstimate(comfort_utilization)
         self.lanes = 1  # decode lanes working side by side (the pipeline keeps it current)
         self.max_batch_size = max_batch_size
         self.default_window_s = default_window_s  # the typical window before any client's
@@ -269,24 +357,25 @@ class CapacityModel:
         self._stale = False
         self.settle_calls = settle_calls
         self.catch_up_calls = 0  # calls counted as backlog, not fitted
-        self.floor: int | None = None  # set_bounds; None: 1
-        self.ceiling: int | None = None  # set_bounds; None: no ceiling but the caller's limit
-        self.bounds_source = "none"  # where the bounds came from, for /readyz
         # A calibrated batch's cost over its windows' alone (seed_batch); None: not timed.
         self.batch_ratio: float | None = None
-        self._held: int | None = None  # the published estimate, once anything was measured
-        # Fitted calls in a row whose measured estimate was above (+) or below (-) the held one.
-        self._pressure = 0
+
+    @property
+    def estimates(self) -> tuple[HeldEstimate, HeldEstimate]:
+        return self.admission, self.comfort
+
+    def budget_s(self, estimate: HeldEstimate) -> float:
+        """Each lane's share of the time the round of ``estimate``'s streams may take (the
+        round may take ``lanes`` times this)."""
+        return self.hop_s * estimate.utilization
 
     @property
     def admission_budget_s(self) -> float:
-        """Each lane's share of the time the admitted streams' round may take (the round
-        may take ``lanes`` times this)."""
-        return self.hop_s * self.admission_utilization
+        return self.budget_s(self.admission)
 
     def seed(self, window_audio_s: Sequence[float], cost_s: float) -> None:
         """A call timed by the startup calibration: it informs the cost, not the typical
-        window. The published estimate starts from the seeds' (``measured_streams``)."""
+        window. The published estimates start from the seeds' (``measured_streams``)."""
         self._seeds.append(_call(window_audio_s, cost_s))
         self._seed_fit = fit_cost(self._seeds)
         self._restart()
@@ -304,11 +393,11 @@ class CapacityModel:
         self._restart()
 
     def _restart(self) -> None:
-        """The calibration changed the model: the published estimate starts again from the
-        measured one."""
+        """The calibration changed the model: the published estimates start again from the
+        measured ones."""
         self._stale = True
-        self._held = self._bounded(self.measured_streams())
-        self._pressure = 0
+        for estimate in self.estimates:
+            estimate.restart(self.measured_streams(estimate=estimate))
 
     @property
     def planned_batch_size(self) -> int:
@@ -339,36 +428,44 @@ class CapacityModel:
         self._by_size[call.windows].append(call)
         self._windows.extend(window_audio_s)
         self._stale = True
-        self._follow()
+        for estimate in self.estimates:
+            estimate.follow(self.measured_streams(estimate=estimate), self.settle_calls)
         return True
 
     def set_bounds(self, floor: int, ceiling: int, source: str) -> None:
-        """Hold the published estimate within ``[floor, ceiling]`` from now on (``source``
-        says where they came from: the startup calibration, an operator's ``--capacity``)."""
-        if not 1 <= floor <= ceiling:
-            raise ValueError(f"need 1 <= floor <= ceiling; got {floor}, {ceiling}")
-        self.floor, self.ceiling, self.bounds_source = floor, ceiling, source
-        if self._held is not None or floor == ceiling:
-            self._held = self._bounded(self._held if self._held is not None else ceiling)
+        """Hold the admission estimate within ``[floor, ceiling]`` from now on (``source``
+        says where they came from: an operator's ``--capacity``, a test)."""
+        self.admission.set_bounds(floor, ceiling, source)
 
-    def calibrated_bounds(self) -> tuple[int, int] | None:
-        """The floor and ceiling the seeds alone imply, each at least 1 (a window that alone
-        overruns the admission budget is still served, late, as ``measured_streams`` says);
-        None before any seed.
+    def bound_by_calibration(self) -> None:
+        """Bound each estimate that has no bounds yet (``--capacity`` set the admission
+        estimate's) by the seeds' figure for its budget (``calibrated_bounds``)."""
+        for estimate in self.estimates:
+            bounds = self.calibrated_bounds(estimate)
+            if bounds is not None and estimate.floor is None:
+                estimate.set_bounds(*bounds, "startup calibration")
+
+    def calibrated_bounds(self, estimate: HeldEstimate | None = None) -> tuple[int, int] | None:
+        """The floor and ceiling the seeds alone imply for ``estimate`` (the admission one
+        by default), each at least 1 (a window that alone overruns the budget is still
+        served, late, as ``measured_streams`` says); None before any seed.
 
         The ceiling is the seeds' estimate: they decode speech as a stream's window holds it
         (``server.decode.calibration``), and the admission budget was set so that this figure
         is what the machine carries at final p95 <= 2 s
         (``server.config.ADMISSION_UTILIZATION``). The clients' calls may cost less (a
         re-decode guided by its previous result's tokens, speech slower than a reader's: the
-        calls of four real-time streams of jfk.wav fit 6 streams on tiny.en, 2-core CPU,
-        where the seeds say 4, what ``make bench-capacity`` sustains there); the budget was
+        calls of eight real-time streams of bench-capacity's recordings fit 10 streams on
+        tiny.en, 2-core CPU, where the seeds say 8, what ``make bench-capacity`` sustains
+        there); the budget was
         set against the seeds' figure, so the estimate follows the clients' calls down from
         it, not above it. The floor is ``FLOOR_SHARE`` of the ceiling.
         """
         if self._seed_fit is None:
             return None
-        ceiling = max(1, self._streams_of(self._seed_fit, self.default_window_s, _UNBOUNDED))
+        estimate = estimate or self.admission
+        window_s = self.default_window_s
+        ceiling = max(1, self._streams_of(self._seed_fit, window_s, _UNBOUNDED, estimate))
         return max(1, math.floor(ceiling * FLOOR_SHARE)), ceiling
 
     @property
@@ -403,20 +500,19 @@ class CapacityModel:
         return statistics.median(self._windows) if self._windows else self.default_window_s
 
     def streams(self, limit: int) -> int:
-        """The published estimate: real-time streams to admit, between 1 and ``limit``;
-        ``limit`` while nothing has been measured (and no ``--capacity`` was given).
+        """The admission estimate: real-time streams to admit, between 1 and ``limit``;
+        ``limit`` while nothing has been measured (and no ``--capacity`` was given)."""
+        return self.admission.published(limit)
 
-        It follows ``measured_streams`` with hysteresis, within the floor and ceiling
-        (``set_bounds``).
-        """
-        if self._held is None:
-            return limit
-        return max(1, min(limit, self._held))
+    def comfortable_streams(self, limit: int) -> int:
+        """The streams the lanes carry with time to spare (``comfort_utilization``), never
+        more than are admitted; ``limit`` while nothing has been measured."""
+        return min(self.comfort.published(limit), self.streams(limit))
 
-    def measured_streams(self, limit: int = 1 << 16) -> int:
-        """Streams whose rounds the lanes keep within the admission budget
-        (``admission_budget_s``) by the fit as it stands, between 1 and ``limit``; ``limit``
-        while nothing has been measured.
+    def measured_streams(self, limit: int = 1 << 16, estimate: HeldEstimate | None = None) -> int:
+        """Streams whose rounds the lanes keep within ``estimate``'s budget (the admission
+        one by default) by the fit as it stands, between 1 and ``limit``; ``limit`` while
+        nothing has been measured.
 
         Never below 1: a machine too slow to keep even one stream within the hop still serves
         one, late, rather than refusing everyone.
@@ -424,33 +520,12 @@ class CapacityModel:
         fit = self.fit
         if fit is None:
             return limit
-        return max(1, self._streams_of(fit, self.typical_window_s, limit))
+        estimate = estimate or self.admission
+        return max(1, self._streams_of(fit, self.typical_window_s, limit, estimate))
 
-    def _streams_of(self, fit: CostFit, window_s: float, limit: int) -> int:
-        return streams_within(
-            fit, self.admission_budget_s, window_s, self.planned_batch_size, limit, self.lanes
-        )
-
-    def _bounded(self, streams: int) -> int:
-        if self.ceiling is not None:
-            streams = min(streams, self.ceiling)
-        return max(streams, self.floor or 1)
-
-    def _follow(self) -> None:
-        """One fitted call: move the published estimate one stream toward the measured one
-        once ``settle_calls`` calls in a row pointed the same way."""
-        if self._held is None:
-            self._held = self._bounded(self.measured_streams())
-            return
-        target = self._bounded(self.measured_streams())
-        if target == self._held:
-            self._pressure = 0
-            return
-        step = 1 if target > self._held else -1
-        self._pressure = self._pressure + step if self._pressure * step >= 0 else step
-        if abs(self._pressure) >= self.settle_calls:
-            self._held += step
-            self._pressure = 0
+    def _streams_of(self, fit: CostFit, window_s: float, limit: int, estimate: HeldEstimate) -> int:
+        budget_s = self.budget_s(estimate)
+        return streams_within(fit, budget_s, window_s, self.planned_batch_size, limit, self.lanes)
 
     def batch_size(self, streams: int) -> int:
         """How many windows an engine call may take with ``streams`` streams open: the batch
@@ -495,18 +570,17 @@ class CapacityModel:
         return round_s / self.utilization
 
     def explain(self, limit: int) -> str:
-        """How the published estimate was derived, in a line (``/readyz``, the log)."""
+        """How the published estimates were derived, in a line (``/readyz``, the log)."""
         held = self.streams(limit)
-        if self.fit is None and self.floor != self.ceiling:
+        if self.fit is None and not self.admission.pinned:
             return f"capacity {held}: nothing measured yet (max_sessions)"
-        bounds = (
-            f"pinned at {self.floor} by {self.bounds_source}"
-            if self.floor is not None and self.floor == self.ceiling
-            else f"held within {self.floor or 1}-{self.ceiling or limit} ({self.bounds_source})"
-        )
+        comfort = self.comfort
         return (
-            f"capacity {held} real-time stream(s) on {self.lanes} lane(s), {bounds}; "
-            f"measured now {self.measured_streams(limit)}: {self.describe()}; "
+            f"capacity {held} real-time stream(s) on {self.lanes} lane(s), "
+            f"{self.admission.describe_bounds(limit)}; measured now "
+            f"{self.measured_streams(limit)}; beam closings within "
+            f"{self.comfortable_streams(limit)} stream(s), {comfort.describe_bounds(limit)}, "
+            f"measured now {self.measured_streams(limit, comfort)}: {self.describe()}; "
             f"{self.catch_up_calls} catch-up call(s) counted as backlog; {self._batching()}"
         )
 
@@ -528,8 +602,9 @@ class CapacityModel:
             f"{fit.fixed_s * 1000:.0f} ms + {fit.per_window_s * 1000:.0f} ms/window + "
             f"{fit.per_audio_s * 1000:.0f} ms/audio s; one {window_s:.1f} s window "
             f"{fit.batch_s(1, window_s) * 1000:.0f} ms; admission round budget "
-            f"{self.admission_budget_s * 1000:.0f} ms ({self.admission_utilization:g} of the "
-            f"{self.hop_s:g} s hop; the cadence plans {self.utilization:g})"
+            f"{self.admission_budget_s * 1000:.0f} ms ({self.admission.utilization:g} of the "
+            f"{self.hop_s:g} s hop; beam closings within {self.comfort.utilization:g}, the "
+            f"cadence plans {self.utilization:g})"
         )
 
 

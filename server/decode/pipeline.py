@@ -179,6 +179,7 @@ class Pipeline:
             hop_s=self.config.capacity_hop_s,
             utilization=self.config.capacity_utilization,
             admission_utilization=self.config.admission_utilization,
+            comfort_utilization=self.config.comfort_utilization,
             max_batch_size=self.config.max_batch_size,
         )
         self._engine: SpeechEngine | None = None
@@ -337,9 +338,10 @@ class Pipeline:
         return self._streams > self.lanes
 
     @property
-    def past_capacity(self) -> bool:
-        """More streams open than the capacity estimate carries (and than lanes): the lanes
-        have no time to spare. A closing decode asked as a beam search then runs greedy: a
+    def past_comfort(self) -> bool:
+        """More streams open than the comfortable estimate carries (and than lanes:
+        ``CapacityModel.comfortable_streams``): the lanes have no time to spare, though the
+        streams may all be admitted. A closing decode asked as a beam search then runs greedy: a
         beam of 5 costs 1.5-1.9 greedy calls (bench-beam), lane time the other streams'
         decodes need. Within the estimate it runs as asked (bench-capacity, four streams on
         two lanes, estimate 4: WER 13.7% against 13.2% for each stream alone, greedy closings
@@ -347,7 +349,7 @@ class Pipeline:
         0.70-0.97 / 0.93-1.35 s). The sessions also commit with less settled context then
         (``StreamingConfig.utterance_busy_settled_context_s``)."""
         streams = self._streams
-        return streams > self.lanes and streams > self.capacity.streams(limit=streams)
+        return streams > self.lanes and streams > self.capacity.comfortable_streams(streams)
 
     @property
     def queued(self) -> int:
@@ -408,8 +410,8 @@ class Pipeline:
     async def _calibrate(self, lane: ThreadLane) -> None:
         """Time a few engine calls on speech windows into the capacity model (after warmup:
         first-call costs would inflate them). The lanes are alike; one is timed. Unless an
-        operator set them (``--capacity``), the seeds' own figure bounds the estimate
-        (``CapacityModel.calibrated_bounds``)."""
+        operator set them (``--capacity``), the seeds' own figures bound the estimates
+        (``CapacityModel.bound_by_calibration``)."""
         self._update_lanes()  # the seeds' estimate is of every lane that started
         window_s = self.capacity.typical_window_s
         size = min(_CALIBRATION_BATCH, self.config.max_batch_size)
@@ -420,9 +422,7 @@ class Pipeline:
             timed = [s for s in alone if s is not None]
             if together is not None and len(timed) == size:
                 self.capacity.seed_batch(timed, together)
-        bounds = self.capacity.calibrated_bounds()
-        if bounds is not None and self.capacity.floor is None:
-            self.capacity.set_bounds(*bounds, "startup calibration")
+        self.capacity.bound_by_calibration()
         logger.info("capacity model: %s", self.capacity.explain(limit=1 << 16))
 
     async def _seed(
@@ -761,7 +761,7 @@ class Pipeline:
         if run.whole and not searched:
             # A failed batch's time (the failure, then each window alone) is not what a
             # batch of this size costs; nor is a beam-searched closing decode's, which runs
-            # only while the lanes have room for it (not ``past_capacity``).
+            # only while the lanes have room for it (not ``past_comfort``).
             fitted = self.capacity.observe(audio_s, run.elapsed_s, catch_up_s)
             if not fitted:
                 self.metrics.capacity_catch_up_calls.inc()
@@ -773,11 +773,11 @@ class Pipeline:
 
     def _affordable(self, window: Window) -> Window:
         """``window`` as the lanes can afford it now: a beam search made greedy
-        ``past_capacity``. Decided when a lane takes the window, with the load of then."""
+        ``past_comfort``. Decided when a lane takes the window, with the load of then."""
         options = window.request.options
         if options.beam_size == 1:
             return window
-        if not self.past_capacity:
+        if not self.past_comfort:
             self.metrics.beam_searches.inc()
             return window
         self.metrics.beam_searches_made_greedy.inc()

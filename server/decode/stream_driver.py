@@ -130,7 +130,7 @@ class StreamDriver:
             job = self.session.next_job(
                 min_hop_s=self.pipeline.stream_hop_s(),
                 crowded=self.pipeline.crowded,
-                past_capacity=self.pipeline.past_capacity,
+                past_comfort=self.pipeline.past_comfort,
             )
             if job is not None:
                 self._decoding = asyncio.create_task(
@@ -156,7 +156,7 @@ class StreamDriver:
         decode in flight (``Session.supersede_job``). The dropped decode's lane finishes it;
         nobody awaits its result."""
         job = self.session.supersede_job(
-            crowded=self.pipeline.crowded, past_capacity=self.pipeline.past_capacity
+            crowded=self.pipeline.crowded, past_comfort=self.pipeline.past_comfort
         )
         if job is None:
             return
@@ -170,7 +170,7 @@ class StreamDriver:
 
     def _refresh_job(self, job: DecodeJob) -> DecodeJob:
         return self.session.refresh_job(
-            job, crowded=self.pipeline.crowded, past_capacity=self.pipeline.past_capacity
+            job, crowded=self.pipeline.crowded, past_comfort=self.pipeline.past_comfort
         )
 
     def catch_up_s(self, job: DecodeJob) -> float:

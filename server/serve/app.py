@@ -116,11 +116,15 @@ class WhisperwireServer:
         self.metrics.capacity_measured_streams.set_function(
             lambda: capacity.measured_streams(limit=self.config.max_sessions)
         )
-        self.metrics.capacity_floor_streams.set_function(lambda: capacity.floor or 1)
+        admission = capacity.admission
+        self.metrics.capacity_floor_streams.set_function(lambda: admission.floor or 1)
         self.metrics.capacity_ceiling_streams.set_function(
-            lambda: min(capacity.ceiling or self.config.max_sessions, self.config.max_sessions)
+            lambda: min(admission.ceiling or self.config.max_sessions, self.config.max_sessions)
         )
         self.metrics.capacity_admission_budget_s.set(capacity.admission_budget_s)
+        self.metrics.capacity_comfortable_streams.set_function(
+            lambda: capacity.comfortable_streams(limit=self.config.max_sessions)
+        )
         self.metrics.capacity_window_s.set_function(lambda: capacity.typical_window_s)
         self.metrics.capacity_window_cost_s.set_function(
             lambda: fit.batch_s(1, capacity.typical_window_s) if (fit := capacity.fit) else 0.0

@@ -9,7 +9,7 @@
                        [--no-utterance-cut-inside-commit]
                        [--max-sessions 32] [--no-capacity-limit] [--capacity N]
                        [--capacity-hop-s 1] [--capacity-utilization 0.8]
-                       [--admission-utilization 0.7]
+                       [--admission-utilization 1.5] [--comfort-utilization 0.7]
                        [--max-session-s 14400] [--idle-timeout-s 30] [--api-key KEY]
                        [--allowed-origin URL ...]
                        [--tls-cert PEM --tls-key PEM] [--drain-s 0] [--log-level info]
@@ -36,7 +36,7 @@ from collections.abc import Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from server.config import PipelineConfig, ServerConfig, StreamingConfig
+from server.config import COMFORT_UTILIZATION, PipelineConfig, ServerConfig, StreamingConfig
 from server.core.policy import CommitConfig
 from server.core.speakers import SpeakerConfig
 from server.engine.store import DEFAULT_MODEL, available_models
@@ -263,9 +263,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--admission-utilization",
         type=float,
         default=p.admission_utilization,
-        help="for the capacity estimate: the share of that wait a decode lane's round of the "
-        "admitted streams may fill; lower admits fewer streams without slowing the decodes "
-        "of those admitted (default %(default)s)",
+        help="for the capacity estimate: how much of that wait (up to twice it) a decode "
+        "lane's round of the admitted streams may take; lower admits fewer streams without "
+        "slowing the decodes of those admitted (default %(default)s)",
+    )
+    limits.add_argument(
+        "--comfort-utilization",
+        type=float,
+        default=None,
+        help="the share of that wait a decode lane's round of the streams may fill while "
+        "closing decodes can still be beam searches; past it they run greedy (default "
+        f"{COMFORT_UTILIZATION}, or --admission-utilization where that is lower)",
     )
     limits.add_argument(
         "--max-session-s",
@@ -336,6 +344,23 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
         uvloop.run(coro)
 
 
+def pipeline_config(args: argparse.Namespace) -> PipelineConfig:
+    """The decode stage's settings from the parsed flags (ValueError where they are bad).
+    Without ``--comfort-utilization``, a lower ``--admission-utilization`` lowers it too."""
+    comfort = args.comfort_utilization
+    return PipelineConfig(
+        decode_lanes=args.decode_lanes or 1,
+        max_batch_size=args.max_batch_size,
+        batch_wait_ms=args.batch_wait_ms,
+        capacity_hop_s=args.capacity_hop_s,
+        capacity_utilization=args.capacity_utilization,
+        admission_utilization=args.admission_utilization,
+        comfort_utilization=(
+            min(COMFORT_UTILIZATION, args.admission_utilization) if comfort is None else comfort
+        ),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the server until SIGINT or SIGTERM; returns the exit status."""
     parser = build_parser()
@@ -370,14 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             commit=CommitConfig(min_right_context_s=args.min_right_context_s),
             speakers=SpeakerConfig(enabled=args.speakers),
         )
-        pipeline = PipelineConfig(
-            decode_lanes=args.decode_lanes or 1,
-            max_batch_size=args.max_batch_size,
-            batch_wait_ms=args.batch_wait_ms,
-            capacity_hop_s=args.capacity_hop_s,
-            capacity_utilization=args.capacity_utilization,
-            admission_utilization=args.admission_utilization,
-        )
+        pipeline = pipeline_config(args)
         from server.engine.engine import EngineConfig
 
         engine_config = EngineConfig(
