@@ -341,13 +341,13 @@ class Pipeline:
     def past_comfort(self) -> bool:
         """More streams open than the comfortable estimate carries (and than lanes:
         ``CapacityModel.comfortable_streams``): the lanes have no time to spare, though the
-        streams may all be admitted. A closing decode asked as a beam search then runs greedy: a
-        beam of 5 costs 1.5-1.9 greedy calls (bench-beam), lane time the other streams'
-        decodes need. Within the estimate it runs as asked (bench-capacity, four streams on
-        two lanes, estimate 4: WER 13.7% against 13.2% for each stream alone, greedy closings
-        14.2-14.5%; final p95 1.87 s; end of speech to final p50 / p95 1.07 / 1.57 s, greedy
-        0.70-0.97 / 0.93-1.35 s). The sessions also commit with less settled context then
-        (``StreamingConfig.utterance_busy_settled_context_s``)."""
+        streams may all be admitted. A closing decode asked as a beam search then runs
+        greedy: a beam of 5 costs 1.5-1.9 greedy calls (bench-beam), lane time the other
+        streams' decodes need. Within the estimate it runs as asked (bench-capacity, four
+        streams on two lanes, comfortable estimate 4: WER 13.7% against 13.2% for each
+        stream alone, greedy closings 14.2-14.5%; final p95 1.87 s; end of speech to final
+        p50 / p95 1.07 / 1.57 s, greedy 0.70-0.97 / 0.93-1.35 s). The sessions also commit
+        with less settled context then (``StreamingConfig.utterance_busy_settled_context_s``)."""
         streams = self._streams
         return streams > self.lanes and streams > self.capacity.comfortable_streams(streams)
 
