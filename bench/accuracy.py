@@ -140,6 +140,7 @@ def run_clip(
     cost_scale: float = 1.0,
     offline_cache: OfflineCache | None = None,
     references: tuple[str, ...] = OFFLINE,
+    spare_lane: bool = False,
 ) -> dict[str, Any]:
     """One clip streamed and decoded offline with each of ``references``: errors and WER of
     each, streamed minus each offline reference, where the streamed errors sit, latency."""
@@ -152,6 +153,7 @@ def run_clip(
         streaming=streaming,
         vad=vad,
         decode_cost_s=(lambda job: cost_scale * modelled_cost_s(job)) if modelled else None,
+        spare_lane=spare_lane,
     )
     s = count_errors(transcript, result.text)
     words = [w for f in result.finals for w in f.words]
@@ -181,6 +183,7 @@ def run_clip(
         "flicker_changed": changed,
         "flicker_shown": shown,
         "decodes": len(result.decode_s),
+        "background_searches": len(result.search_s),
         "decode_s_total": round(sum(result.decode_s), 3),
         "text_streamed": result.text,
         **{f"text_{name}": texts.get(name) for name in OFFLINE},
@@ -337,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="JSON file keeping offline transcripts between runs (they do not depend on --set)",
     )
+    parser.add_argument(
+        "--spare-lane",
+        action="store_true",
+        help="simulate one stream on a two-lane server: its background beam searches "
+        "(StreamingConfig.utterance_search_s) run on the second lane",
+    )
     args = parser.parse_args(argv)
     streaming, commit, vad = _overrides(args.set)
 
@@ -374,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                 cost_scale=args.cost_scale,
                 offline_cache=cache,
                 references=references,
+                spare_lane=args.spare_lane,
             )
             sets[name].append(clip)
             print(_clip_line(clip), flush=True)
@@ -420,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_end": os.getloadavg(),
         "wall_s": round(time.perf_counter() - started, 1),
         "decode_cost": f"modelled x{args.cost_scale}" if args.modelled_cost else "measured",
+        "spare_lane": args.spare_lane,
     }
     path = write_results(args.out, data)
     print()

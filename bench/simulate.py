@@ -4,6 +4,10 @@ Audio arrives at 1x real time; while a decode runs, the clock advances by the de
 time, so the audio that arrives meanwhile is fed before the next decode -- exactly what a
 single-stream server would see. Used by the streaming-core tests and the latency benchmark.
 
+With ``spare_lane`` the session also has a second decode lane to itself, as one stream has on
+a server with two lanes: its background beam searches (``Session.next_search_job``) run there,
+each result handed back once its own cost has passed on the clock, beside the decodes.
+
 With a speaker encoder (``speakers``; the session's ``StreamingConfig.speakers`` enabled), the
 session's speaker jobs run as soon as it hands them out, and their time is charged to the
 clock too: a server runs them beside the decodes, so this is the slower bound.
@@ -19,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from server.config import StreamingConfig, VadConfig
-from server.core.engine_api import Window
+from server.core.engine_api import DecodeResult, Window
 from server.core.session import DecodeJob, Session, SessionEvent
 from server.core.speakers import SpeakerEmbedder
 from server.engine.engine import Engine
@@ -46,6 +50,7 @@ class SimulationResult:
     events: list[TimedEvent] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
     embed_s: list[float] = field(default_factory=list)  # speaker encoder calls
+    search_s: list[float] = field(default_factory=list)  # background searches (spare_lane)
     audio_s: float = 0.0
 
     @property
@@ -149,6 +154,7 @@ def simulate(
     session_id: str = "sim",
     decode_cost_s: Callable[[DecodeJob], float] | None = None,
     speakers: SpeakerEmbedder | None = None,
+    spare_lane: bool = False,
 ) -> SimulationResult:
     """Stream ``audio`` through a fresh session; see the module docstring.
 
@@ -163,6 +169,14 @@ def simulate(
     clock = 0.0
     fed = 0
     ended = False
+    search: tuple[DecodeJob, DecodeResult, float] | None = None  # on the spare lane
+
+    def decode(job: DecodeJob) -> tuple[DecodeResult, float]:
+        started = time.perf_counter()
+        decoded = engine.decode_windows([Window(engine.features(job.audio), job.request)])[0]
+        spent = time.perf_counter() - started
+        return decoded, spent if decode_cost_s is None else decode_cost_s(job)
+
     while not session.done:
         while fed < audio.shape[0] and fed < clock * SAMPLE_RATE_HZ:
             session.feed_audio(pcm_s16le_bytes(audio[fed : fed + chunk]))
@@ -182,19 +196,20 @@ def simulate(
                 session.receive_embeddings(embed, vectors)
             for m in session.events_to_send():
                 result.events.append(TimedEvent(clock, m))
+        if search is not None and search[2] <= clock:
+            session.receive_search(search[0], search[1])
+            search = None
+        if spare_lane and search is None and (background := session.next_search_job()):
+            decoded, spent = decode(background)
+            result.search_s.append(spent)
+            search = (background, decoded, clock + spent)
         job = session.next_job()
         if job is None:
             if ended and not session.done and not session.busy:
                 raise RuntimeError("session is stuck: ended, idle, but not done")
             clock += CHUNK_S
             continue
-        started = time.perf_counter()
-        mel = engine.features(job.audio)
-        window = Window(mel, job.request)
-        decoded = engine.decode_windows([window])[0]
-        spent = time.perf_counter() - started
-        if decode_cost_s is not None:
-            spent = decode_cost_s(job)
+        decoded, spent = decode(job)
         result.decode_s.append(spent)
         clock += spent
         session.receive_result(job, decoded)

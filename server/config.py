@@ -161,6 +161,24 @@ class StreamingConfig:
     # no shorter final p95. Off, an utterance's words become final only at the endpoint (or
     # past half the window cap, word by word).
     utterance_phrase_s: float = 0.0
+    # In "utterance" finals, a stream with a decode lane to spare (fewer streams than lanes)
+    # beam-searches its open window in the background once the utterance holds this much
+    # audio, and again after each ``utterance_search_step_s`` of new audio. The words that two
+    # such searches of one window agree on, with ``commit.settled_context_s`` of audio after
+    # them, become the utterance's held words (final with the rest of it at its end) and the
+    # window is cut before their last ``utterance_search_context_s``: the closing decode then
+    # hears the tail, not the whole utterance, whose beam search took 1-2 s after a 10-16 s
+    # utterance on a 2-core CPU. bench-served, test-other at one stream on two lanes: 108
+    # and 110 errors against 115 off, end of speech to final p95 1.12-1.16 s against 1.90 s
+    # (bench/README.md, "Background searches"). 0: off, as for every stream without a spare
+    # lane.
+    utterance_search_s: float = 6.0
+    utterance_search_step_s: float = 2.0
+    # The held words' last seconds that the window keeps after the cut, as its forced
+    # prefix: the closing decode hears them again, as context for the tail. Simulated on
+    # test-other (modelled cost): 2 words (``cut_carry_words``) 124 errors, 4 s 112, no cut
+    # (the held words forced over the whole window) 118, off 115.
+    utterance_search_context_s: float = 4.0
     # One binary audio frame; larger gets an error and 1009. The server's WebSocket frame
     # limit is derived from it, so this is the only place the limit is set.
     max_frame_bytes: int = 1 << 20
@@ -210,6 +228,19 @@ class StreamingConfig:
             raise ValueError(
                 f"utterance_phrase_s must be in [0, {UTTERANCE_WINDOW_S:g}]; "
                 f"got {self.utterance_phrase_s}"
+            )
+        if not 0 <= self.utterance_search_s <= UTTERANCE_WINDOW_S:
+            raise ValueError(
+                f"utterance_search_s must be in [0, {UTTERANCE_WINDOW_S:g}]; "
+                f"got {self.utterance_search_s}"
+            )
+        if self.utterance_search_context_s < 0:
+            raise ValueError(
+                f"utterance_search_context_s must be >= 0; got {self.utterance_search_context_s}"
+            )
+        if self.utterance_search_step_s <= 0:
+            raise ValueError(
+                f"utterance_search_step_s must be > 0; got {self.utterance_search_step_s}"
             )
         for name, value in (("finals", self.finals), ("agent_finals", self.agent_finals)):
             if value not in FINALS:

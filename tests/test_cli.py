@@ -80,6 +80,15 @@ def test_auto_is_one_lane_per_core_on_the_cpu() -> None:
             "31",
             "utterance_phrase_s must be in [0, 30]",
         ),
+        # and the background searches of a long utterance (on a spare lane)
+        (
+            "--utterance-search-s",
+            "utterance_search_s",
+            lambda: StreamingConfig().utterance_search_s,
+            "0",
+            "-1",
+            "utterance_search_s must be in [0, 30]",
+        ),
     ],
 )
 def test_a_streaming_flag_defaults_to_its_config_and_is_checked(

@@ -32,7 +32,13 @@ from server.decode.stream_driver import DriverOutcome, StreamDriver
 from server.protocol.errors import DecodeError
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.protocol.messages import ErrorMessage, FinalMessage, ServerMessage
-from tests.helpers import GatedEngine, GatedSpeakerEncoder, ScriptedEngine, pcm_frames
+from tests.helpers import (
+    GatedEngine,
+    GatedSpeakerEncoder,
+    ScriptedEngine,
+    pcm_frames,
+    scripted_engine,
+)
 
 # Fixtures run on the session's loop (asyncio_default_fixture_loop_scope); so must the tests,
 # or the pipeline a fixture started would post its results to a loop that is not running.
@@ -984,3 +990,33 @@ async def test_a_closing_decode_takes_the_spare_lane_instead_of_waiting_for_the_
     words = " ".join(m.text for m in finals).split()
     assert len(finals) == 1 and words == [f"w{k}" for k in range(len(words))], finals
     assert len(words) >= 5  # the whole utterance's: a word per half second of its window
+
+
+async def test_one_stream_beam_searches_its_open_utterance_on_the_spare_lane(
+    speech_dir: Path,
+) -> None:
+    """One stream on two lanes, per-utterance finals: while the speaker goes on, background
+    beam searches of the open window (``Session.next_search_job``) run on the lane the
+    stream's own decodes leave idle, and the utterance still ends in one final with every
+    word once and in order."""
+    pipeline = Pipeline(PipelineConfig(decode_lanes=2, batch_wait_ms=0.0))
+    await asyncio.wait_for(pipeline.start(scripted_engine, warmup=False), LANE_WAIT_S)
+    clip = load_clip(speech_dir / "librispeech_test-other/3331-159605-0000.wav")
+    speech = pcm_frames(np.concatenate([clip, np.zeros(SAMPLE_RATE_HZ, np.float32)]), 0.1)
+    driver = StreamDriver(Session("one"), pipeline, max_pending_messages=10_000)
+    try:
+        for frame in speech:
+            driver.feed_audio(frame)
+            await asyncio.sleep(0.02)  # the features thread, and the lanes' calls
+        driver.end()
+        assert await asyncio.wait_for(driver.outcome, LANE_WAIT_S) == DriverOutcome.DONE
+    finally:
+        await driver.close()
+        await pipeline.close()
+    # At least two searches of the open window, and the closing decode.
+    assert pipeline.metrics.beam_searches.value() >= 3
+    finals = [m for m in drain(driver) if isinstance(m, FinalMessage)]
+    assert len(finals) == 1, finals
+    starts = [w.start for w in finals[0].words]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+    assert finals[0].words[-1].end > clip.shape[0] / SAMPLE_RATE_HZ - 1.5

@@ -1,9 +1,10 @@
 """One stream's way through the pipeline: its session's jobs out, results and events back.
 
 ``StreamDriver`` belongs to one connection. It takes the session's next job, sends it through
-the shared ``Pipeline``, folds the result back into the session and queues the session's
-events in a bounded outbox for the connection to send; an adapter's own events
-(``AdapterEvent``) join that queue in order, so they keep their place among the session's.
+the shared ``Pipeline`` (with a lane to spare, the session's background searches too), folds
+the result back into the session and queues the session's events in a bounded outbox for the
+connection to send; an adapter's own events (``AdapterEvent``) join that queue in order, so
+they keep their place among the session's.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from server.core.engine_api import DecodeResult
 from server.core.session import DecodeJob, Session, SessionEvent, StreamSettings
 from server.core.speakers import EmbedJob
 from server.decode.pipeline import Pipeline
@@ -61,6 +63,7 @@ class StreamDriver:
         self.log = logging.LoggerAdapter(logger, {"session_id": session.session_id})
         self._decoding: asyncio.Task[None] | None = None
         self._dropped: set[asyncio.Task[None]] = set()  # decodes a closing decode replaced
+        self._searching: asyncio.Task[None] | None = None  # a background beam search
         self._embedding: asyncio.Task[None] | None = None
         self._closed = False
         self._overflowed = False
@@ -115,7 +118,8 @@ class StreamDriver:
         decode in flight and stop producing messages."""
         self._closed = True
         self._unregister()
-        tasks = {t for t in (self._decoding, self._embedding) if t is not None} | self._dropped
+        running = (self._decoding, self._embedding, self._searching)
+        tasks = {t for t in running if t is not None} | self._dropped
         for task in tasks:
             task.cancel()
         if tasks:
@@ -141,6 +145,13 @@ class StreamDriver:
             self._flush()
         elif self.pipeline.spare_lane:
             self._supersede(self._decoding)
+        if self._searching is None and self.pipeline.spare_lane:
+            search = self.session.next_search_job(past_comfort=self.pipeline.past_comfort)
+            if search is not None:
+                self._searching = asyncio.create_task(
+                    self._search(search),
+                    name=f"search-{self.session.session_id}-{search.job_id}",
+                )
         if self._embedding is None:
             embed_job = self.session.next_speaker_job()
             if embed_job is not None:
@@ -214,6 +225,24 @@ class StreamDriver:
             # closes with 1011. Other sessions are not affected.
             self._decoding = None
             if not self.outcome.done():
+                self.outcome.set_exception(exc)
+
+    async def _search(self, job: DecodeJob) -> None:
+        """A background beam search of the open window on a spare lane
+        (``Session.next_search_job``): its result goes back to the session, a failure too."""
+        try:
+            result: DecodeResult | None = await self.pipeline.decode(job)
+        except Exception as exc:
+            # Whatever the engine or a lane raised (as in ``_decode``): the search was only a
+            # head start, and the stream's own decodes go on without it.
+            self.log.info("background search %d failed: %s", job.job_id, exc)
+            result = None
+        self._searching = None
+        try:
+            self.session.receive_search(job, result)
+            self._advance()
+        except Exception as exc:
+            if not self.outcome.done():  # a bug in the session, as in ``_decode``
                 self.outcome.set_exception(exc)
 
     async def _embed(self, job: EmbedJob) -> None:

@@ -5,6 +5,7 @@
                        [--batch-wait-ms 5] [--decode-lanes auto] [--min-right-context-s 0.8]
                        [--closing-beam-size 1] [--finals utterance|words]
                        [--agent-finals words|utterance] [--utterance-phrase-s 0]
+                       [--utterance-search-s 6]
                        [--utterance-beam-size 5] [--utterance-settled-context-s 1.5]
                        [--no-utterance-cut-inside-commit]
                        [--max-sessions 32] [--no-capacity-limit] [--capacity N]
@@ -161,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with 'utterance' finals, a window this long ends a phrase at its last pause that "
         "speech went on after: the words two decodes agree on up to there become final "
         "(sooner for some words); 0: only at the end of speech (default %(default)s)",
+    )
+    streaming.add_argument(
+        "--utterance-search-s",
+        type=float,
+        default=StreamingConfig().utterance_search_s,
+        help="with 'utterance' finals and a decode lane to spare, beam-search an utterance in "
+        "the background once it is this long: the words two such searches agree on are held "
+        "for its final, and its closing decode hears the rest; 0: off (default %(default)s)",
     )
     streaming.add_argument(
         "--utterance-beam-size",
@@ -389,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             finals=args.finals,
             agent_finals=args.agent_finals,
             utterance_phrase_s=args.utterance_phrase_s,
+            utterance_search_s=args.utterance_search_s,
             utterance_beam_size=args.utterance_beam_size,
             utterance_settled_context_s=args.utterance_settled_context_s,
             utterance_cut_inside_commit=args.utterance_cut_inside_commit,
