@@ -124,7 +124,7 @@ class Parity:
     ours: DecodeResult
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def parity(engine: Engine, speech_dir: Path) -> dict[str, Parity]:
     """Reference and our greedy decode of each parity clip on the same full-context mel."""
     mx = import_mlx()
@@ -147,7 +147,9 @@ def parity(engine: Engine, speech_dir: Path) -> dict[str, Parity]:
 
 
 # The parity fixture loads the reference model and decodes every parity clip (tens of seconds on
-# a busy 2-core machine): its tests stay on one pytest-xdist worker, so it is built once.
+# a busy 2-core machine): its tests stay on one pytest-xdist worker, and it lives for the
+# session, so it is built once (module-scoped, it was built again each time that worker came
+# back to this module from another: three times, 20 s each, in `make test`).
 with_parity = pytest.mark.xdist_group("lightning-parity")
 
 
