@@ -770,9 +770,7 @@ class Session:
         if at > utt.window_start:
             self._cut(utt, at, carry=carry)
         else:
-            utt.policy.reset()
-            utt.tentative = []
-            utt.draft = ()
+            self._forget_decodes(utt)
         # The latest search's words after the held ones are what the next search of the
         # new window is checked against.
         utt.search_words = None
@@ -1270,10 +1268,16 @@ class Session:
         utt.committed = utt.committed[len(utt.committed) - carry :] if carry else []
         utt.committed_tokens = [t for w in utt.committed for t in w.tokens]
         utt.prompted_tokens = len(utt.committed_tokens)
+        self._forget_decodes(utt)
+        self._trim()
+
+    @staticmethod
+    def _forget_decodes(utt: _Utterance) -> None:
+        """The window's words changed under its decodes (a cut, held or dropped words): what
+        they agreed on, showed and drafted no longer applies."""
         utt.policy.reset()
         utt.tentative = []
         utt.draft = ()
-        self._trim()
 
     def _release_to_prompt(self, utt: _Utterance) -> None:
         """The window's committed tokens become context for the windows after it (those a cut
@@ -1417,9 +1421,7 @@ class Session:
         utt.committed = []
         utt.committed_tokens = []
         utt.prompted_tokens = 0
-        utt.policy.reset()
-        utt.tentative = []
-        utt.draft = ()
+        self._forget_decodes(utt)
         utt.decoded_to = utt.window_start
         # Nothing of the window was heard by a decode that counts: a cut at the window's cap
         # before the next decode would skip it (LJ long at pace 0: 15 s lost).

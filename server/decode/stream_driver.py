@@ -130,6 +130,7 @@ class StreamDriver:
         if self._closed:
             return
         self._flush()
+        spare = self.pipeline.spare_lane
         if self._decoding is None:
             job = self.session.next_job(
                 min_hop_s=self.pipeline.stream_hop_s(),
@@ -143,9 +144,9 @@ class StreamDriver:
             # Asking for a job can emit messages too: finals of a forced cut, or done when
             # only an empty utterance was left.
             self._flush()
-        elif self.pipeline.spare_lane:
+        elif spare:
             self._supersede(self._decoding)
-        if self._searching is None and self.pipeline.spare_lane:
+        if self._searching is None and spare:
             search = self.session.next_search_job(past_comfort=self.pipeline.past_comfort)
             if search is not None:
                 self._searching = asyncio.create_task(
