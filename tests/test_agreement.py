@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.core.agreement import LocalAgreement, Word, normalize_word
+from server.core.agreement import LocalAgreement, Word, normalize_word, read_alike
 
 
 def words(text: str, start_s: float = 0.0, step_s: float = 0.5) -> list[Word]:
@@ -17,6 +17,25 @@ def words(text: str, start_s: float = 0.0, step_s: float = 0.5) -> list[Word]:
 
 def texts(ws: list[Word]) -> str:
     return "".join(w.text for w in ws).strip()
+
+
+# --- read_alike ---------------------------------------------------------------------------------
+
+
+def test_read_alike_passes_over_punctuation_that_only_one_reading_has() -> None:
+    """Two beam searches of test-other 3080-5032-0009: one put a comma after "deans" as a word
+    of its own, the other did not. They agree on the words after it too."""
+    older = words("deans , and has so many mistresses that")
+    newer = words("deans and has so many mistresses and")
+    assert texts(read_alike(newer, older)) == "deans and has so many mistresses"
+    assert texts(read_alike(older, newer)) == "deans , and has so many mistresses"
+
+
+def test_read_alike_ends_at_the_first_difference_and_at_a_spoken_word() -> None:
+    assert read_alike(words("a b c"), words("x b c")) == []
+    assert texts(read_alike(words("a b . c"), words("a b d"))) == "a b"  # not the "."
+    assert texts(read_alike(words("a b c d"), words("a b"))) == "a b"  # the older is shorter
+    assert read_alike(words(". ,"), words(". ,")) == []  # nothing spoken: nothing agreed
 
 
 # --- normalize_word -----------------------------------------------------------------------------

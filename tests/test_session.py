@@ -690,11 +690,14 @@ class SlotDecoder:
     after it and the prefix swallows the words there. ``first_new_late_s``: only the first
     word after a prefix is placed that late (nothing was skipped; the timing says so).
     ``unforced_skips``: a window that starts at a cut, decoded without a prefix, begins that
-    many words in (Whisper starting a long window sentences in)."""
+    many words in (Whisper starting a long window sentences in). ``stalls_at_prefix_tokens``:
+    a re-decode forced to that many tokens or more ends its text after them (Whisper
+    stopping at a forced prefix although speech follows)."""
 
     late_s: float = 0.0
     first_new_late_s: float = 0.0
     unforced_skips: int = 0
+    stalls_at_prefix_tokens: int = 0
 
     def __call__(self, job: DecodeJob) -> DecodeResult:
         word_s = ScriptedEngine.WORD_S
@@ -706,6 +709,8 @@ class SlotDecoder:
         if at_cut and not forced:
             heard = heard[self.unforced_skips :]
         slots = forced + heard[len(forced) :]
+        if 0 < self.stalls_at_prefix_tokens <= len(forced) and not job.closing:
+            slots = forced
         late = [
             self.late_s + (self.first_new_late_s if forced and n == len(forced) else 0.0)
             for n in range(len(slots))
@@ -769,6 +774,36 @@ def test_speech_skipped_after_the_carried_words_is_decoded_again_without_them(
     slots = [int(w.word[1:]) for f in finals for w in f.words]
     assert slots == list(range(slots[0], slots[-1] + 1)), slots
     assert slots[-1] * ScriptedEngine.WORD_S > 15.0
+
+
+def test_a_decode_that_stops_at_the_committed_words_while_speech_goes_on_cuts_the_window(
+    speech_dir: Path,
+) -> None:
+    """Whisper can end its text at a long forced prefix decode after decode although speech
+    follows. Once 2 s of speech after the committed words went unheard, the window is cut
+    there, carrying the last two: the short prefix lets the decodes go on, and every word is
+    final within seconds of its end, once and in order (without the cut, the words waited
+    for the window's 15 s cap)."""
+    decoder = SlotDecoder(stalls_at_prefix_tokens=8)
+    session = Session("stalls", streaming=WORDS)
+    clip = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
+    pcm = pcm_s16le_bytes(clip[: 30 * SAMPLE_RATE_HZ])
+    finals: list[tuple[float, FinalMessage]] = []
+    starts: list[float] = []
+    for i in range(0, len(pcm), 3_200):
+        session.feed_audio(pcm[i : i + 3_200])
+        while (job := session.next_job()) is not None:
+            starts.append(job.start_s)
+            session.receive_result(job, decoder(job))
+            fed_s = (i + 3_200) / 2 / SAMPLE_RATE_HZ
+            finals += [(fed_s, e) for e in session.events_to_send() if isinstance(e, FinalMessage)]
+    cuts = [b for a, b in pairwise(starts) if b > a]
+    assert len(cuts) >= 3 and all(b - a < 8.0 for a, b in pairwise(cuts)), cuts
+    slots = [int(w.word[1:]) for _, f in finals for w in f.words]
+    assert slots == list(range(slots[0], slots[-1] + 1)), slots
+    assert slots[-1] * ScriptedEngine.WORD_S > 25.0
+    late = [(round(at - f.end, 1), f.text) for at, f in finals if at - f.end > 4.0]
+    assert late == []
 
 
 @pytest.mark.parametrize("crowded", [False, True])

@@ -43,6 +43,25 @@ def normalize_word(text: str) -> str:
     )
 
 
+def read_alike(newer: Sequence[Word], older: Sequence[Word]) -> list[Word]:
+    """The opening words of ``newer`` that ``older`` reads alike (``normalize_word``), up to
+    the last spoken one of them. Words that are only punctuation are passed over on both
+    sides: one beam search of test-other 3080-5032-0009 read "deans, and has so many" where
+    the next read "deans and has so many", and compared word by word they agreed on
+    "deans" alone."""
+    spoken = [text for text in (normalize_word(w.text) for w in older) if text]
+    matched = agreed = 0
+    for k, word in enumerate(newer):
+        text = normalize_word(word.text)
+        if not text:
+            continue
+        if matched == len(spoken) or spoken[matched] != text:
+            break
+        matched += 1
+        agreed = k + 1
+    return list(newer[:agreed])
+
+
 class LocalAgreement:
     """LocalAgreement-n over successive tails of one window.
 

@@ -16,8 +16,10 @@ How text is produced:
 - The commit policy (``policy.py``) commits the words that n consecutive tails agree on once
   the window has enough audio around them. Committed words go out at once as a ``final``;
   the rest goes out as a ``partial``.
-- The window is cut after a committed word that ends a sentence, and at the last committed
-  word when it grows past ``max_window_s``; committed text before the cut is the prompt. The
+- The window is cut after a committed word that ends a sentence, at the last committed word
+  when it grows past ``max_window_s``, and there too when a decode ended its text at the
+  committed words although ``STALLED_TAIL_S`` of speech follows them; committed text before
+  the cut is the prompt. The
   new window starts at the last ``cut_carry_words`` committed words and hears them again as
   its forced prefix, so a word that starts near the cut is never lost. When their times were
   estimated late, the window starts after them and the prefix swallows the words it does
@@ -40,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from server.config import StreamingConfig, VadConfig
-from server.core.agreement import Word, normalize_word
+from server.core.agreement import Word, normalize_word, read_alike
 from server.core.buffer import SampleBuffer
 from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
 from server.core.language import LanguageTracker
@@ -78,6 +80,9 @@ TAIL_RETRY_S = 1.0  # speech left after a closing decode's last word that is dec
 # Voiced audio between the words a cut carried and the first word after them that means the
 # decoder skipped speech (2609-156975-0004: "picture which it", 1.3 s, never came out).
 SKIPPED_SPEECH_S = 0.8
+# Speech after the committed words that a re-decode ended its text before: the window is
+# cut there (``_cut_before_stalled_tail``).
+STALLED_TAIL_S = 2.0
 HEARD_MORE_WORDS = 10  # how far into the decode without it that word is looked for
 
 
@@ -735,13 +740,9 @@ class Session:
         utt.search_words = _SearchedWords(utt.basis, job.end_sample, settled)
         if before is None or before.basis != utt.basis:
             return
-        same = 0
-        for new, old in zip(settled, before.words, strict=False):
-            if normalize_word(new.text) != normalize_word(old.text):
-                break
-            same += 1
-        if same:
-            utt.agreed = _SearchedWords(utt.basis, job.end_sample, settled[:same])
+        agreed = read_alike(settled, before.words)
+        if agreed:
+            utt.agreed = _SearchedWords(utt.basis, job.end_sample, agreed)
 
     def _hold_agreed(self, utt: _Utterance) -> None:
         """Hold the words background searches agreed on (``receive_search``) and cut the
@@ -1046,7 +1047,7 @@ class Session:
         if job.closing:
             if not self._cut_before_unheard_tail(utt):
                 self._finish_utterance_if_closed(utt, decoded=True)
-        else:
+        elif not self._cut_before_stalled_tail(utt, job, tail):
             self._maybe_cut(utt)
         self._maybe_done()
 
@@ -1359,6 +1360,33 @@ class Session:
         at, carry = self._cut_point(utt, utt.end)
         if not carry:
             return False
+        self._cut(utt, at, carry=carry)
+        return True
+
+    def _cut_before_stalled_tail(self, utt: _Utterance, job: DecodeJob, tail: list[Word]) -> bool:
+        """After a re-decode of the open utterance that ended its text at the committed words
+        although ``STALLED_TAIL_S`` of speech follows them: cut at the last of them, so that
+        the next decode hears a window of its own after them. Whisper can stop at a forced
+        prefix again and again as the window grows (test-other 3080-5032-0009: "... brag
+        much that he", then nothing new for 4 s of decodes, greedy and beam alike, until the
+        closing decode heard 14.7 s). Returns whether it cut."""
+        if (
+            utt.end is not None
+            or not job.request.prefix
+            or not utt.committed
+            or any(normalize_word(w.text) for w in tail)
+        ):
+            return False
+        last_end = round(utt.committed[-1].end_s * SAMPLE_RATE_HZ)
+        stalled_s = self._vad.voiced_s(last_end, job.end_sample)
+        if stalled_s < STALLED_TAIL_S:
+            return False
+        at, carry = self._cut_point(utt, min(utt.heard_to, job.end_sample))
+        if at <= utt.window_start:
+            return False
+        self.log.info(
+            "decode ended at the committed words with %.1f s of speech after them: cut", stalled_s
+        )
         self._cut(utt, at, carry=carry)
         return True
 
