@@ -16,16 +16,15 @@ How text is produced:
 - The commit policy (``policy.py``) commits the words that n consecutive tails agree on once
   the window has enough audio around them. Committed words go out at once as a ``final``;
   the rest goes out as a ``partial``.
-- The window is cut after a committed word that ends a sentence, at the last committed word
-  when it grows past ``max_window_s``, and there too when a decode ended its text at the
-  committed words although ``STALLED_TAIL_S`` of speech follows them; committed text before
-  the cut is the prompt. The
-  new window starts at the last ``cut_carry_words`` committed words and hears them again as
-  its forced prefix, so a word that starts near the cut is never lost. When their times were
-  estimated late, the window starts after them and the prefix swallows the words it does
-  hear. After a decode whose first new word comes after more than ``SKIPPED_SPEECH_S`` of
-  voiced audio, the window is decoded again without the prefix, and that decode is kept when
-  it heard words before the first one (else the first decode is).
+- The window is cut after a committed word that ends a sentence, at the last committed word when
+  it grows past ``max_window_s``, and there too when a decode ended its text at the committed
+  words although ``STALLED_TAIL_S`` of speech follows them; committed text before the cut is
+  the prompt. The new window starts at the last ``cut_carry_words`` committed words and hears
+  them again as its forced prefix, so a word that starts near the cut is never lost. When
+  their times were estimated late, the window starts after them and the prefix swallows the
+  words it does hear. After a decode whose first new word comes after more than
+  ``SKIPPED_SPEECH_S`` of voiced audio, the window is decoded again without the prefix, and
+  that decode is kept when it heard words before the first one (else the first decode is).
 - At the end of speech, on ``flush`` and on ``end``, the window is decoded once more and
   everything left is committed.
 """
