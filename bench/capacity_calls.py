@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         calls_path = Path(scratch) / "calls.jsonl"
         ends = asyncio.run(record(args.clients, args.seconds, calls_path))
-        recorded = phases(calls_path, ends)
-    recorded = {
+        calls = phases(calls_path, ends)
+    recorded: dict[str, object] = {
         "about": (
             "Engine calls timed by a real server (tiny.en, its default lanes; "
             f"python -m bench.capacity_calls on {os.cpu_count()} CPUs, "
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({args.seconds:g} s each) at 1x. Each call: its windows' audio seconds, wall "
             "seconds, what each window's stream held beyond it, sent ahead of real time."
         ),
-        **recorded,
+        **calls,
     }
     args.output.write_text(json.dumps(recorded, indent=None) + "\n", encoding="utf-8")
     counts = {k: len(v) for k, v in recorded.items() if isinstance(v, list)}
