@@ -199,6 +199,9 @@ def simulate(
         if search is not None and search[2] <= clock:
             session.receive_search(search[0], search[1])
             search = None
+        if search is not None and session.search_stale:
+            session.drop_search()  # as the server's driver does: its lane is interrupted
+            search = None
         if spare_lane and search is None and (background := session.next_search_job()):
             decoded, spent = decode(background)
             result.search_s.append(spent)

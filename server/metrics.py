@@ -286,6 +286,11 @@ class Metrics:
             "Decodes in flight whose result was dropped: an utterance's closing decode started "
             "on a spare lane instead of waiting for them",
         )
+        self.decodes_interrupted = Counter(
+            "whisperwire_decodes_interrupted_total",
+            "Engine calls stopped on their lane because nobody waited for their result any "
+            "more: a replaced or dropped decode, a stale search, a client that left",
+        )
         self.beam_searches = Counter(
             "whisperwire_beam_searches_total",
             "Closing decodes run as a beam search",
@@ -328,6 +333,7 @@ class Metrics:
             self.capacity_window_cost_s,
             self.capacity_catch_up_calls,
             self.decodes_superseded,
+            self.decodes_interrupted,
             self.beam_searches,
             self.beam_searches_made_greedy,
         ]

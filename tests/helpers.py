@@ -36,6 +36,7 @@ from server.core.engine_api import (
     TextSpan,
     Window,
     WordTiming,
+    stop_if_interrupted,
 )
 from server.protocol.errors import DecodeError
 from server.protocol.formats import SAMPLE_RATE_HZ
@@ -185,6 +186,7 @@ def scripted_engine() -> ScriptedEngine:
 
 
 GATE_TIMEOUT_S = 60.0  # only a broken test leaves a gate closed this long
+GATE_STEP_S = 0.01
 
 
 class GatedEngine(ScriptedEngine):
@@ -206,8 +208,14 @@ class GatedEngine(ScriptedEngine):
 
     def decode_windows(self, windows: list[Window]) -> list[DecodeResult]:
         self.entered_calls.release()
-        if not self.gate.acquire(True, GATE_TIMEOUT_S):
-            raise DecodeError("the test never opened the gate")
+        waited_s = 0.0
+        # The wait at the gate stands for the token steps, and checks between them as the
+        # real engine does: a lane's ``interrupt`` stops a call held here.
+        while not self.gate.acquire(True, GATE_STEP_S):
+            stop_if_interrupted()
+            waited_s += GATE_STEP_S
+            if waited_s > GATE_TIMEOUT_S:
+                raise DecodeError("the test never opened the gate")
         return super().decode_windows(windows)
 
 

@@ -488,6 +488,7 @@ async def test_http_routes(server_url: str) -> None:
         "whisperwire_capacity_window_cost_seconds",
         "whisperwire_capacity_catch_up_calls_total",
         "whisperwire_decodes_superseded_total",
+        "whisperwire_decodes_interrupted_total",
         "whisperwire_beam_searches_total",
         "whisperwire_beam_searches_made_greedy_total",
     ):

@@ -18,7 +18,15 @@ import numpy as np
 import pytest
 
 from bench.corpus import ManifestRow, load_clip, normalize, wer
-from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason, Window
+from server.core.engine_api import (
+    DecodeInterrupted,
+    DecodeOptions,
+    DecodeRequest,
+    DecodeResult,
+    StopReason,
+    Window,
+    interruptible,
+)
 from server.engine.blas import import_mlx
 from server.engine.engine import Engine
 from server.engine.features import N_FRAMES
@@ -233,6 +241,39 @@ def test_batched_decode_equals_per_stream_decode(engine: Engine, speech_dir: Pat
         assert many.stop_reason == one.stop_reason
         assert one.text.strip()
     assert batched[2].tokens[:4] == engine.encode_text(" It is of the")
+
+
+# --- interruption -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("beam_size", [1, 5])
+def test_an_interrupted_decode_stops_at_its_next_step_and_the_next_decode_is_whole(
+    engine: Engine, speech_dir: Path, beam_size: int
+) -> None:
+    """A lane interrupts a decode nobody waits for (``interruptible``): greedy and beam
+    search alike stop at the first step after the request, raising ``DecodeInterrupted``, and
+    leave the engine's caches fit for the next call, which decodes as if nothing happened."""
+    audio = load_clip(speech_dir / "librispeech_test-other/3331-159605-0000.wav")[
+        : 8 * SAMPLE_RATE_HZ
+    ]
+    options = DecodeOptions(beam_size=beam_size)
+    windows = [window(engine, audio, options=options)]
+    whole = engine.decode_windows(windows)[0]
+    assert whole.n_steps > 10
+    checks = 0
+
+    def after_five_checks() -> bool:
+        nonlocal checks
+        checks += 1
+        return checks > 5
+
+    with interruptible(after_five_checks), pytest.raises(DecodeInterrupted):
+        engine.decode_windows(windows)
+    assert checks == 6  # once after the encoder, then once per step: it stopped when asked
+    again = engine.decode_windows(windows)[0]
+    assert again.tokens == whole.tokens and again.words == whole.words
+    with interruptible(lambda: False):
+        assert engine.decode_windows(windows)[0].tokens == whole.tokens
 
 
 # --- word timestamps --------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from server.core.engine_api import DecodeRequest, Window
+from server.core.engine_api import DecodeInterrupted, DecodeRequest, DecodeResult, Window
 from server.decode.lanes import LaneLost, ProcessLane, ThreadLane
 from server.protocol.errors import ModelError
 from tests.helpers import GatedEngine, ScriptedEngine, scripted_engine
@@ -135,3 +135,43 @@ async def test_a_signal_to_the_whole_process_group_leaves_the_child_to_the_paren
     assert results[0].text == " w0 w1" and process_lane.alive
     await process_lane.stop()
     assert process_lane.exitcode == 0
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+async def test_interrupt_stops_the_call_running_and_never_a_later_one(kind: str) -> None:
+    """Calls held in a ``GatedEngine``, which checks for an interruption while it waits as the
+    real engine does between token steps. An interruption asked while the lane is idle
+    stops nothing; one asked during a call stops that call, and the next runs to its end."""
+    context = multiprocessing.get_context("spawn")
+    gate, entered = context.Semaphore(0), context.Semaphore(0)
+    load = functools.partial(GatedEngine, gate, entered)
+    lane: ThreadLane | ProcessLane = (
+        ThreadLane("test-lane") if kind == "thread" else ProcessLane("test-lane")
+    )
+    await asyncio.wait_for(lane.load(load), WAIT_S)
+
+    def decode(seconds: float) -> asyncio.Future[list[DecodeResult]]:
+        return asyncio.ensure_future(
+            lane.call(operator.methodcaller("decode_windows", windows(seconds)))
+        )
+
+    async def enters() -> None:
+        assert await asyncio.to_thread(entered.acquire, True, WAIT_S), "no call entered"
+
+    try:
+        gate.release()
+        assert (await decode(1.0))[0].text == " w0 w1"
+        lane.interrupt()  # idle
+        held = decode(2.0)
+        await enters()
+        await enters()  # the first call's entry, then this one's
+        await asyncio.sleep(0.2)
+        assert not held.done(), "an interruption asked while idle stopped a later call"
+        lane.interrupt()
+        with pytest.raises(DecodeInterrupted):
+            await asyncio.wait_for(held, WAIT_S)
+        gate.release()
+        assert (await asyncio.wait_for(decode(1.5), WAIT_S))[0].text == " w0 w1 w2"
+    finally:
+        gate.release()
+        await lane.stop()

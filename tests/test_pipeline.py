@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 
 from bench.corpus import load_clip
-from server.config import PipelineConfig
+from server.config import PipelineConfig, StreamingConfig
 from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, Window
 from server.core.session import DecodeJob, Session
 from server.core.speakers import EmbedJob
@@ -956,13 +956,43 @@ async def test_the_calibration_on_cpu_time_leaves_out_the_time_a_lane_waited_off
     assert ceiling is not None and ceiling >= 10, bounds  # a scripted window costs ~no CPU
 
 
+async def test_a_batch_nobody_awaits_is_interrupted_and_its_lane_takes_the_next_window(
+    two_lanes: tuple[Pipeline, Any, Any],
+) -> None:
+    """Four streams on two lanes: two batches of two windows, held in the engine. A batch
+    with one window still awaited runs on; once neither is, its lane stops the call (the
+    engine checks between steps) and takes the next window without a gate pass."""
+    pipeline, gate, entered = two_lanes
+    for _ in range(4):
+        pipeline.add_stream()
+    jobs = [make_job(1.0 + k / 2, created_at=1.0 + k, session_id=f"s{k}") for k in range(4)]
+    windows = [await pipeline.features(job) for job in jobs]
+    # Queued with no await that yields between them: the scheduler finds all four.
+    futures = [await pipeline.enqueue(job, w) for job, w in zip(jobs, windows, strict=True)]
+    await entered_calls(entered, 2)
+    assert pipeline.queued == 0 and pipeline.metrics.batch_size.count == 0
+    first, second = futures[:2], futures[2:]
+    first[0].cancel()
+    await asyncio.sleep(0.2)
+    assert pipeline.metrics.decodes_interrupted.value() == 0
+    first[1].cancel()
+    (late,) = await queue_jobs(pipeline, [make_job(3.0, created_at=5.0, session_id="s4")])
+    await entered_calls(entered, 1)  # on the interrupted batch's lane, the other still held
+    assert pipeline.metrics.decodes_interrupted.value() == 1
+    gate.release()
+    gate.release()
+    results = await asyncio.wait_for(asyncio.gather(*second, late), WAIT_S)
+    assert [r.text.split()[-1] for r in results] == ["w3", "w4", "w5"]
+
+
 async def test_a_closing_decode_takes_the_spare_lane_instead_of_waiting_for_the_one_in_flight(
     two_lanes: tuple[Pipeline, Any, Any], speech_dir: Path
 ) -> None:
     """One stream on two lanes, per-utterance finals: a re-decode holds the first lane when the
     silence after the speech covers the pad. The closing decode goes to the second lane at
-    once, and the stream's finals come from it: two engine calls in all, the first one's
-    result dropped (a third call would wait at the gate forever)."""
+    once, and the stream's finals come from it: two engine calls in all, the first one
+    dropped and stopped on its lane (it needs no gate pass; a third call would wait at the
+    gate forever)."""
     pipeline, gate, entered = two_lanes
     clip = load_clip(speech_dir / "misc_en/arctic_a0024.wav")
     speech, pause = pcm_frames(clip, 0.03), pcm_frames(np.zeros(SAMPLE_RATE_HZ, np.float32), 0.03)
@@ -978,8 +1008,8 @@ async def test_a_closing_decode_takes_the_spare_lane_instead_of_waiting_for_the_
             await asyncio.sleep(0.001)  # the features thread
         await entered_calls(entered, 1)  # the closing decode, beside the held re-decode
         assert pipeline.metrics.decodes_superseded.value() == 1
-        gate.release()
-        gate.release()
+        assert pipeline.metrics.decodes_interrupted.value() == 1  # stopped on its lane
+        gate.release()  # the closing decode's pass: the re-decode needs none
         for frame in pause[10:]:
             driver.feed_audio(frame)
         driver.end()
@@ -990,6 +1020,47 @@ async def test_a_closing_decode_takes_the_spare_lane_instead_of_waiting_for_the_
     words = " ".join(m.text for m in finals).split()
     assert len(finals) == 1 and words == [f"w{k}" for k in range(len(words))], finals
     assert len(words) >= 5  # the whole utterance's: a word per half second of its window
+
+
+async def test_a_search_still_running_when_its_utterance_ends_is_stopped_on_its_lane(
+    two_lanes: tuple[Pipeline, Any, Any], speech_dir: Path
+) -> None:
+    """One stream on two lanes, per-utterance finals, searching from 1 s of speech: the
+    stream's re-decode holds one lane and its background search the other as the speaker
+    stops. At the endpoint the search is stale (the closing decode hears the whole window):
+    its lane stops it without a gate pass, the closing decode starts there at once and
+    replaces the re-decode, which its lane stops too. The closing decode's pass is the only
+    one the utterance takes."""
+    pipeline, gate, entered = two_lanes
+    clip = load_clip(speech_dir / "misc_en/arctic_a0024.wav")
+    speech, pause = pcm_frames(clip, 0.03), pcm_frames(np.zeros(SAMPLE_RATE_HZ, np.float32), 0.03)
+    streaming = StreamingConfig(finals="utterance", utterance_search_s=1.0)
+    driver = StreamDriver(
+        Session("one", streaming=streaming), pipeline, max_pending_messages=10_000
+    )
+    try:
+        fed = held = 0
+        while held < 2:  # the stream's first decode, then its first search
+            assert fed < len(speech), f"{held} call(s) of the speech started"
+            driver.feed_audio(speech[fed])
+            fed += 1
+            held += await asyncio.to_thread(entered.acquire, True, 0.01)
+        assert pipeline.metrics.beam_searches.value() == 1
+        for frame in speech[fed:] + pause:  # to the endpoint, both calls held
+            driver.feed_audio(frame)
+            await asyncio.sleep(0.001)  # the features thread
+        await entered_calls(entered, 1)  # the closing decode, on the search's lane
+        assert pipeline.metrics.decodes_superseded.value() == 1
+        assert pipeline.metrics.decodes_interrupted.value() == 2  # the search, the re-decode
+        gate.release()
+        driver.end()
+        assert await asyncio.wait_for(driver.outcome, LANE_WAIT_S) == DriverOutcome.DONE
+    finally:
+        await driver.close()
+    finals = [m for m in drain(driver) if isinstance(m, FinalMessage)]
+    words = " ".join(m.text for m in finals).split()
+    assert len(finals) == 1 and words == [f"w{k}" for k in range(len(words))], finals
+    assert len(words) >= 5
 
 
 async def test_one_stream_beam_searches_its_open_utterance_on_the_spare_lane(

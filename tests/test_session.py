@@ -1292,6 +1292,35 @@ def _drive_with_spare_lane(
     return log
 
 
+def test_a_search_in_flight_goes_stale_when_its_utterance_ends(speech_dir: Path) -> None:
+    """A background search that has not come back when its utterance ends cannot count any
+    more (the closing decode hears the whole window): ``search_stale`` says so, the driver
+    drops it (``drop_search``), and the next utterance searches again."""
+    audio = load_clip(speech_dir / SEARCH_CLIP)
+    pause = np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)
+    frames = _frames_of(np.concatenate([audio, pause, audio, pause]))
+    session = Session("stale")
+    engine = ScriptedEngine()
+    searches: list[DecodeJob] = []
+    stale: list[int] = []
+    for fed, frame in enumerate([*frames, None]):
+        if frame is None:
+            session.end()
+        else:
+            session.feed_audio(frame)
+        while not session.busy and (job := session.next_job()) is not None:
+            session.receive_result(job, _decode_now(engine, job))
+        if session.search_stale:
+            stale.append(fed)
+            session.drop_search()
+        if (search := session.next_search_job()) is not None:
+            searches.append(search)  # never answered: the lane is busy to the end
+    assert session.done
+    first_ended = audio.shape[0] / SAMPLE_RATE_HZ  # the second search is the second copy's
+    assert len(searches) == 2 and searches[1].start_s > first_ended, searches
+    assert len(stale) == 2 and stale[0] * 0.1 < first_ended + 1.0, stale  # a frame is 0.1 s
+
+
 def _is_background(item: SessionEvent | DecodeJob) -> bool:
     return isinstance(item, DecodeJob) and not item.closing and item.request.options.beam_size > 1
 

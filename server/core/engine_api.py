@@ -12,17 +12,24 @@ Guarantees an engine gives (the session relies on each):
 - A result whose ``stop_reason`` is not speech (``StopReason.is_speech``) carries no text.
 - One result per window, in the order the windows came; a failure raises ``DecodeError``
   for the whole call.
+- Between its steps (after the encoder, and at each token step) an engine calls
+  ``stop_if_interrupted``: a decode lane stops a call nobody waits for any more that way
+  (``interruptible``), and the call raises ``DecodeInterrupted``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from server.protocol.errors import DecodeError
 from server.protocol.formats import TASKS
 
 Float32Array = npt.NDArray[np.float32]
@@ -214,3 +221,35 @@ class SpeechEngine(Protocol):
     def warmup(self) -> float: ...
 
     def release_memory(self) -> None: ...
+
+
+class DecodeInterrupted(DecodeError):
+    """The lane running the call was asked to stop it (``interruptible``): whoever asked
+    for it has gone (a closing decode replaced it, a search went stale, a client left)."""
+
+
+# What the engine call running on this thread (a lane's) asks to learn whether to stop. A
+# context variable, so that each lane's thread has its own: the engine is not told per call.
+_interrupt_requested: ContextVar[Callable[[], bool] | None] = ContextVar(
+    "whisperwire_interrupt_requested", default=None
+)
+
+
+@contextlib.contextmanager
+def interruptible(requested: Callable[[], bool]) -> Iterator[None]:
+    """Engine calls made inside stop at their next step once ``requested()`` is true
+    (``stop_if_interrupted``). ``requested`` is read from the thread that runs the call
+    while another thread or process sets it: it must be cheap and need no lock."""
+    token = _interrupt_requested.set(requested)
+    try:
+        yield
+    finally:
+        _interrupt_requested.reset(token)
+
+
+def stop_if_interrupted() -> None:
+    """Raise ``DecodeInterrupted`` if the call running on this thread was asked to stop;
+    an engine calls this between its steps."""
+    requested = _interrupt_requested.get()
+    if requested is not None and requested():
+        raise DecodeInterrupted("the decode was stopped: nobody waits for its result")

@@ -627,8 +627,9 @@ class Session:
         self, *, crowded: bool = False, past_comfort: bool = False
     ) -> DecodeJob | None:
         """The utterance's closing decode, to start now in place of the decode in flight, or
-        None. The caller drops the job in flight (its result is never folded in) and asks only
-        while a decode lane is idle that no other stream needs.
+        None. The caller drops the job in flight (its result is never folded in; the pipeline
+        stops it on its lane) and asks only while a decode lane is idle that no other stream
+        needs.
 
         In "utterance" finals the closing decode is a beam search over the whole utterance,
         and it waited for the decode in flight: a re-decode of the growing window, or a guess
@@ -714,6 +715,24 @@ class Session:
         self._search_in_flight = job
         return job
 
+    @property
+    def search_stale(self) -> bool:
+        """A background search is in flight whose result cannot count any more: its
+        utterance has ended (the closing decode, started at once, hears the whole window)
+        or held words moved the window it searched. The driver drops it (``drop_search``),
+        and the pipeline frees its lane."""
+        job = self._search_in_flight
+        if job is None:
+            return False
+        if not self._utterances:
+            return True
+        utt = self._utterances[0]
+        return utt.end is not None or utt.basis != _basis_of(job)
+
+    def drop_search(self) -> None:
+        """The background search in flight was cancelled: the next may start."""
+        self._search_in_flight = None
+
     def receive_search(self, job: DecodeJob, result: DecodeResult | None) -> None:
         """Fold in a background beam search (``next_search_job``); None: it failed. Its
         words with ``commit.settled_context_s`` of audio after them (1.5 s per utterance)
@@ -723,11 +742,7 @@ class Session:
             return
         self._search_in_flight = None
         utt = self._utterances[0] if self._utterances else None
-        if (
-            result is None
-            or utt is None
-            or utt.basis != (round(job.start_s * SAMPLE_RATE_HZ), len(job.request.prefix))
-        ):
+        if result is None or utt is None or utt.basis != _basis_of(job):
             return
         limit_s = job.start_s + job.audio_s - self.streaming.commit.settled_context_s
         settled: list[Word] = []
@@ -1550,6 +1565,11 @@ def nearest_end_of_speech_ms(ms: int) -> int:
     ``END_OF_SPEECH_MS_RANGE`` (v1 refuses values outside it instead)."""
     low, high = END_OF_SPEECH_MS_RANGE
     return min(max(ms, low), high)
+
+
+def _basis_of(job: DecodeJob) -> tuple[int, int]:
+    """The window basis (``_Utterance.basis``) a job was made for: its start and forced prefix."""
+    return round(job.start_s * SAMPLE_RATE_HZ), len(job.request.prefix)
 
 
 def _or(chosen: int | None, default: int) -> int:

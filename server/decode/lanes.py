@@ -11,12 +11,20 @@ An engine call is a function of the engine, ``fn(engine) -> T``. For a process l
 pickled to the child, and so is its result: module-level functions, ``functools.partial``
 of them and ``operator.methodcaller`` qualify. A lane whose child died raises ``LaneLost``
 for the call it was running and every later one; the pipeline decides what to do about it.
+
+``interrupt`` stops the call a lane is running at the engine's next step (the engine raises
+``DecodeInterrupted``, ``server.core.engine_api.interruptible``), and never a later call:
+calls are numbered, and the lane asks the engine to stop every call up to the number of the
+one it runs now. A dropped decode or a stale search then frees its lane within a token step
+rather than at its end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -28,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from server.core.engine_api import SpeechEngine
+from server.core.engine_api import SpeechEngine, interruptible
 from server.protocol.errors import DecodeError
 
 logger = logging.getLogger("server.decode.lanes")
@@ -130,6 +138,8 @@ class ThreadLane:
         self.name = name
         self._worker = _Worker(name)
         self._engine: SpeechEngine | None = None
+        self._calls = 0  # calls made, numbered from 1
+        self._interrupted_through = 0  # calls up to this number are asked to stop
 
     @property
     def alive(self) -> bool:
@@ -145,7 +155,18 @@ class ThreadLane:
         engine = self._engine
         if engine is None:
             raise RuntimeError(f"lane {self.name} has no engine; await load() first")
-        return await self._worker.call(lambda: fn(engine))
+        self._calls += 1
+        number = self._calls
+
+        def run() -> T:
+            with interruptible(lambda: self._interrupted_through >= number):
+                return fn(engine)
+
+        return await self._worker.call(run)
+
+    def interrupt(self) -> None:
+        """Ask the call running now, if any, to stop (see the module docstring)."""
+        self._interrupted_through = self._calls
 
     async def stop(self) -> None:
         await self._worker.stop()
@@ -170,6 +191,9 @@ class ProcessLane:
         self._conn: multiprocessing.connection.Connection | None = None
         self._ready = False  # the child answered that its engine is loaded
         self._lost = False
+        self._calls = 0  # calls sent, numbered from 1, as the child counts them
+        # Shared with the child: calls up to this number are asked to stop.
+        self._interrupted_through: Any = None
 
     @property
     def alive(self) -> bool:
@@ -196,9 +220,15 @@ class ProcessLane:
         context = multiprocessing.get_context("spawn")
         ours, theirs = context.Pipe()
         self._conn = ours
+        self._interrupted_through = context.RawValue(ctypes.c_int64, 0)
         self._process = context.Process(
             target=_serve,
-            args=(theirs, load_engine, logging.getLogger().getEffectiveLevel()),
+            args=(
+                theirs,
+                load_engine,
+                logging.getLogger().getEffectiveLevel(),
+                self._interrupted_through,
+            ),
             name=self.name,
             daemon=True,
         )
@@ -223,8 +253,14 @@ class ProcessLane:
     async def call(self, fn: EngineCall[T]) -> T:
         if self._lost:
             raise LaneLost(f"lane {self.name} is gone")
+        self._calls += 1
         result: T = await self._worker.call(lambda: self._exchange(fn))
         return result
+
+    def interrupt(self) -> None:
+        """Ask the call running now, if any, to stop (see the module docstring)."""
+        if self._interrupted_through is not None:
+            self._interrupted_through.value = self._calls
 
     async def stop(self) -> None:
         """Ask the child to exit after its current call, wait for it (kill it if it hangs)."""
@@ -292,7 +328,10 @@ class ProcessLane:
 
 
 def _serve(
-    conn: multiprocessing.connection.Connection, load_engine: LoadEngine, log_level: int
+    conn: multiprocessing.connection.Connection,
+    load_engine: LoadEngine,
+    log_level: int,
+    interrupted_through: Any,
 ) -> None:
     """The child's main: load the engine, then answer calls until told to stop or orphaned."""
     # Ctrl-C reaches the whole process group, and systemd sends SIGTERM to the whole cgroup:
@@ -311,6 +350,7 @@ def _serve(
         conn.send((False, _portable(exc)))
         return
     conn.send((True, engine.name))
+    number = 0
     while True:
         try:
             fn = conn.recv()
@@ -318,8 +358,10 @@ def _serve(
             return  # the parent is gone
         if fn is None:
             return
+        number += 1
         try:
-            answer = (True, fn(engine))
+            with interruptible(functools.partial(_reached, interrupted_through, number)):
+                answer = (True, fn(engine))
         except Exception as exc:
             answer = (False, _portable(exc))
         del fn  # drop the windows before waiting for the next call
@@ -327,6 +369,10 @@ def _serve(
             conn.send(answer)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             conn.send((False, DecodeError(f"the lane's answer does not pickle: {exc}")))
+
+
+def _reached(interrupted_through: Any, number: int) -> bool:
+    return bool(interrupted_through.value >= number)
 
 
 def _portable(exc: Exception) -> Exception:

@@ -41,6 +41,11 @@ is. It goes before the routine re-decodes of any stream queued less than that be
 after older ones: a routine window is passed only by urgent windows made within the head start
 after it, so its wait grows by that at most and no stream starves behind another's urgent ones.
 
+Interruption: a call on a lane that nobody waits for any more (every window of its batch
+abandoned: a closing decode replaced the stream's re-decode, a stale search was dropped, the
+client left; a file upload whose client left) is stopped at the engine's next token step
+(``ProcessLane.interrupt``), so the lane is free for the window a listener waits on.
+
 Late binding: a window waits in the queue as a claim on a lane; when a lane takes it, its
 session extends it to the audio that arrived meanwhile (``Session.refresh_job``) and only then
 are its features final. A stream that waited for a lane is decoded up to the present.
@@ -66,7 +71,13 @@ import numpy as np
 import numpy.typing as npt
 
 from server.config import PipelineConfig
-from server.core.engine_api import DecodeRequest, DecodeResult, SpeechEngine, Window
+from server.core.engine_api import (
+    DecodeInterrupted,
+    DecodeRequest,
+    DecodeResult,
+    SpeechEngine,
+    Window,
+)
 from server.core.session import DecodeJob
 from server.core.speakers import EmbedJob, SpeakerEmbedder
 from server.decode.calibration import speech_windows
@@ -103,6 +114,7 @@ class _QueuedJob:
     catch_up: CatchUp | None = None  # None: the stream keeps up
     queued: bool = True  # still in the heap
     lost_lanes: int = 0  # lanes that died while decoding it
+    slot: _LaneSlot | None = None  # the lane that took it, until its batch returns
 
 
 _Outcome = DecodeResult | Exception
@@ -133,6 +145,8 @@ class _LaneSlot:
     lane: ThreadLane | ProcessLane
     index: int
     busy: bool = False
+    # What the lane runs now: a batch of windows or a background call (for ``interrupt``).
+    running: list[_QueuedJob] | _BackgroundCall | None = None
     free_at: float = 0.0  # loop.time() when its last call returned
     reviving: bool = False  # a dead process lane being replaced
 
@@ -302,7 +316,8 @@ class Pipeline:
     def offer_seats(self, wake: Callable[[], None]) -> None:
         """Call ``wake`` whenever a batch starts being gathered, until ``withdraw``: a stream
         with a window ready by its own cadence joins the batch then rather than starting
-        its own later (four windows in one call cost 2.6 of one alone)."""
+        its own later (four windows in one call cost 2.6 of one alone). Also when a lane
+        comes free of a batch nobody waited for (interrupted): a stream may want it."""
         self._joiners.add(wake)
 
     def withdraw(self, wake: Callable[[], None]) -> None:
@@ -577,13 +592,29 @@ class Pipeline:
         self._changed.set()
 
     def _forget(self, request: _QueuedJob, future: asyncio.Future[DecodeResult]) -> None:
-        # A cancelled request (its client left) gives its queue slot back.
-        if request.queued and future.cancelled():
+        # A cancelled request (its client left, a closing decode replaced it) gives its queue
+        # slot back, or its lane once nobody waits for any window of the batch on it.
+        if not future.cancelled():
+            return
+        if request.queued:
             self._heap = [entry for entry in self._heap if entry[2] is not request]
             heapq.heapify(self._heap)
             request.queued = False
             self._slots.release()
             self.metrics.queue_depth.set(len(self._heap))
+        elif request.slot is not None:
+            self._interrupt_if_abandoned(request.slot)
+
+    def _interrupt_if_abandoned(self, slot: _LaneSlot) -> None:
+        running = slot.running
+        if isinstance(running, list):
+            abandoned = all(r.future.done() for r in running)
+        else:
+            abandoned = running is not None and running.future.done()
+        if abandoned:
+            slot.lane.interrupt()
+            slot.running = None  # asked once
+            self.metrics.decodes_interrupted.inc()
 
     def _take_batch(self, limit: int) -> list[_QueuedJob]:
         batch: list[_QueuedJob] = []
@@ -649,6 +680,9 @@ class Pipeline:
             if not batch:
                 continue
             slot.busy = True
+            slot.running = batch
+            for request in batch:
+                request.slot = slot
             self._in_flight.update(batch)
             task = asyncio.create_task(self._run(slot, batch), name=f"whisperwire-{slot.index}")
             self._runs.add(task)
@@ -667,10 +701,18 @@ class Pipeline:
         slot = self._idle_lanes()[-1]
         call = self._background.popleft()
         slot.busy = True
+        slot.running = call
+        call.future.add_done_callback(functools.partial(self._background_abandoned, slot, call))
         self._background_running += 1
         task = asyncio.create_task(self._run_background(slot, call), name="whisperwire-file")
         self._runs.add(task)
         task.add_done_callback(self._runs.discard)
+
+    def _background_abandoned(
+        self, slot: _LaneSlot, call: _BackgroundCall, future: asyncio.Future[Any]
+    ) -> None:
+        if future.cancelled() and slot.running is call:
+            self._interrupt_if_abandoned(slot)
 
     async def _run_background(self, slot: _LaneSlot, call: _BackgroundCall) -> None:
         loop = asyncio.get_running_loop()
@@ -693,6 +735,7 @@ class Pipeline:
         finally:
             self._background_running -= 1
             slot.busy = False
+            slot.running = None
             slot.free_at = loop.time()
             self._changed.set()
 
@@ -721,10 +764,17 @@ class Pipeline:
             await self._refresh(batch)
             windows = [self._affordable(r.window) for r in batch]
             catch_up_s = [r.catch_up(r.job) if r.catch_up else 0.0 for r in batch]
-            run = await slot.lane.call(functools.partial(_decode_batch, windows=windows))
+            if all(r.future.done() for r in batch):
+                # Abandoned while its features were refreshed: not worth a lane.
+                run = _BatchRun([DecodeInterrupted("abandoned")] * len(batch), 0.0, whole=False)
+            else:
+                run = await slot.lane.call(functools.partial(_decode_batch, windows=windows))
         except LaneLost as exc:
             logger.error("%s; its %d window(s) go to another lane", exc, len(batch))
             slot.busy = False
+            slot.running = None
+            for request in batch:
+                request.slot = None
             self._in_flight.difference_update(batch)
             self._lane_lost(slot)
             for request in batch:
@@ -744,6 +794,9 @@ class Pipeline:
             slot.free_at = loop.time()
             self._changed.set()
         slot.busy = False
+        slot.running = None
+        for request in batch:
+            request.slot = None
         self._in_flight.difference_update(batch)
         audio_s = [w.request.audio_s for w in windows]
         self.metrics.observe_batch(len(batch), run.elapsed_s, sum(audio_s))
@@ -770,6 +823,15 @@ class Pipeline:
                 _settle(request.future, None, outcome)
             else:
                 _settle(request.future, outcome, None)
+        if all(isinstance(outcome, DecodeInterrupted) for outcome in run.outcomes):
+            # Nobody waited for this batch: the stream that dropped it may want the lane
+            # now (a closing decode for the spare lane), and no result of its own will
+            # come to say so.
+            loop.call_soon(self._offer_lane)
+
+    def _offer_lane(self) -> None:
+        for wake in list(self._joiners):
+            wake()
 
     def _affordable(self, window: Window) -> Window:
         """``window`` as the lanes can afford it now: a beam search made greedy
@@ -844,6 +906,8 @@ def _decode_batch(engine: SpeechEngine, windows: list[Window]) -> _BatchRun:
         if len(results) != len(windows):
             raise DecodeError(f"engine returned {len(results)} results for {len(windows)} windows")
         return _BatchRun(list(results), time.perf_counter() - started, whole=True)
+    except DecodeInterrupted as exc:
+        return _BatchRun([exc] * len(windows), time.perf_counter() - started, whole=False)
     except Exception as exc:
         # Any engine failure, not only DecodeError: a bug triggered by one window must fail
         # that window's job, not the worker and not the other sessions in the batch.

@@ -146,7 +146,9 @@ class StreamDriver:
             self._flush()
         elif spare:
             self._supersede(self._decoding)
-        if self._searching is None and spare:
+        if self._searching is not None and self.session.search_stale:
+            self._drop_search(self._searching)
+        if self._searching is None and self.pipeline.spare_lane:
             search = self.session.next_search_job(past_comfort=self.pipeline.past_comfort)
             if search is not None:
                 self._searching = asyncio.create_task(
@@ -165,8 +167,8 @@ class StreamDriver:
 
     def _supersede(self, decoding: asyncio.Task[None]) -> None:
         """Start the utterance's closing decode on the spare lane at once, if it replaces the
-        decode in flight (``Session.supersede_job``). The dropped decode's lane finishes it;
-        nobody awaits its result."""
+        decode in flight (``Session.supersede_job``). Nobody awaits the dropped decode's
+        result, and the pipeline stops it on its lane."""
         job = self.session.supersede_job(
             crowded=self.pipeline.crowded, past_comfort=self.pipeline.past_comfort
         )
@@ -179,6 +181,16 @@ class StreamDriver:
         self._decoding = asyncio.create_task(
             self._decode(job), name=f"decode-{self.session.session_id}-{job.job_id}"
         )
+
+    def _drop_search(self, searching: asyncio.Task[None]) -> None:
+        """Cancel a background search whose result can no longer count
+        (``Session.search_stale``): its lane is interrupted (``Pipeline``) and free for
+        the stream's next utterance."""
+        searching.cancel()
+        self._dropped.add(searching)
+        searching.add_done_callback(self._dropped.discard)
+        self._searching = None
+        self.session.drop_search()
 
     def _refresh_job(self, job: DecodeJob) -> DecodeJob:
         return self.session.refresh_job(

@@ -30,7 +30,13 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason
+from server.core.engine_api import (
+    DecodeOptions,
+    DecodeRequest,
+    DecodeResult,
+    StopReason,
+    stop_if_interrupted,
+)
 from server.engine.cpu_step import softmax
 from server.engine.decoder import NEG_INF, StreamingDecoder
 
@@ -140,6 +146,7 @@ class _Search:
         capped: list[_Hypothesis] = []
         steps = 0
         while live:
+            stop_if_interrupted()
             proposals = self._propose(live, logits)
             live, ended = self._select(proposals)
             for h in ended:

@@ -37,6 +37,7 @@ from server.core.engine_api import (
     StopReason,
     TextSpan,
     WordTiming,
+    stop_if_interrupted,
 )
 from server.engine.blas import vector_matrix
 from server.engine.cpu_step import CpuTokenStep, softmax
@@ -687,6 +688,7 @@ class StreamingDecoder:
         column; each continues its own positions and masks the columns it does not use.
         ``cpu_step``, when given, has taken over the caches and runs every step."""
         while not all(row.done for row in rows):
+            stop_if_interrupted()
             positions = np.array([row.length for row in rows], dtype=np.int32)
             if cpu_step is not None:
                 active = [i for i, row in enumerate(rows) if not row.done]

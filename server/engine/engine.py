@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 import numpy.typing as npt
 
-from server.core.engine_api import DecodeRequest, DecodeResult, Window
+from server.core.engine_api import DecodeRequest, DecodeResult, Window, stop_if_interrupted
 from server.core.long_form import check_temperatures, needs_fallback
 from server.engine.beam import search
 from server.engine.blas import set_blas_threads, set_numpy_blas_threads
@@ -205,6 +205,7 @@ class Engine:
             return []
         try:
             feats = self.encode([w.mel for w in windows])
+            stop_if_interrupted()
             requests = [w.request for w in windows]
             results = self.decode_encoded(requests, feats)
             fallback = self.fallback_frames()
