@@ -40,7 +40,7 @@ from client.stream import (
     StreamStats,
     stream_audio,
 )
-from client.timeline import drop_seam_repeat, shift_message
+from client.timeline import RESUME_BEFORE_SEAM_S, drop_seam_repeat, shift_message
 from server.protocol.formats import AudioFormat
 from server.protocol.messages import (
     DoneMessage,
@@ -424,7 +424,7 @@ class _Progress:
         """Where a next session starts: at the seam words, the last final ones."""
         if not self._words:
             return self._start_bytes
-        resume_s = self._words[0].start - _RESUME_SLACK_S
+        resume_s = self._words[0].start - RESUME_BEFORE_SEAM_S
         return max(self._start_bytes, self._buffer.offset(resume_s))
 
     def seam(self) -> tuple[WordInfo, ...]:

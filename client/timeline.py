@@ -6,6 +6,7 @@ Pure: no I/O. ``client.reconnect`` uses it to join the sessions of one stream.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from server.protocol.messages import (
@@ -19,6 +20,14 @@ from server.protocol.messages import (
 )
 
 SEAM_REPEAT_WINDOW_S = 1.0  # a repeat is looked for only this close to the seam
+# A next session starts this long before the first seam word. That word's start is an
+# estimate (cross-attention), sometimes a syllable late: a session started inside the word
+# heard its tail as another one ("similar" as "or") and showed it. From further back it hears
+# the whole word, and what it hears before the seam's end is dropped by time.
+RESUME_BEFORE_SEAM_S = 0.25
+# A new session's opening word that ends by the seam's last word's end, give or take this,
+# lies inside the seam: heard before, whatever it was heard as.
+SEAM_END_TOLERANCE_S = 0.05
 
 
 def shift_message(message: ServerMessage, offset_s: float, segments_before: int) -> ServerMessage:
@@ -66,20 +75,40 @@ def _comparable(word: str) -> str:
     return "".join(ch for ch in word.casefold() if ch.isalnum())
 
 
+def seam_repeat_count(words: Sequence[WordInfo], seam: Sequence[WordInfo]) -> int:
+    """How many opening ``words`` of a session's first final repeat ``seam``, the final words
+    it began at (both on the source's timeline): the leading run of words that each either
+    read as a seam word, in the seam's order (one it did not hear may be skipped), or end
+    within the seam's time (a seam word heard as another, a tail of the word before it)."""
+    keys = [_comparable(w.word) for w in seam]
+    seam_end_s = seam[-1].end + SEAM_END_TOLERANCE_S if seam else 0.0
+    matched = 0  # seam words read so far
+    count = 0
+    for word in words:
+        key = _comparable(word.word)
+        if key in keys[matched:]:
+            matched = keys.index(key, matched) + 1
+        elif word.end > seam_end_s:
+            break
+        count += 1
+    return count
+
+
 def drop_seam_repeat(
     final: FinalMessage, seam: tuple[WordInfo, ...], seam_s: float
 ) -> FinalMessage:
-    """``final`` (on the source's timeline) without the opening words that repeat the end of
-    ``seam``, the words made final before a session began at ``seam_s``, when they lie at
-    the seam. All of it repeated: an empty final, so that segment ids stay in step."""
+    """``final`` (on the source's timeline) without the opening words that repeat ``seam``
+    (``seam_repeat_count``), the words made final before a session began at ``seam_s``,
+    when they lie at the seam. All of it repeated: an empty final, so that segment ids stay
+    in step."""
     words = final.words
     if not seam or not words or words[0].start > seam_s + SEAM_REPEAT_WINDOW_S:
         return final
-    for n in range(min(len(seam), len(words)), 0, -1):
-        if [_comparable(w.word) for w in words[:n]] == [_comparable(w.word) for w in seam[-n:]]:
-            kept = words[n:]
-            if not kept:
-                return replace(final, text="", words=(), start=final.end)
-            text = " ".join(w.word for w in kept)
-            return replace(final, text=text, words=kept, start=kept[0].start)
-    return final
+    n = seam_repeat_count(words, seam)
+    if n == 0:
+        return final
+    kept = words[n:]
+    if not kept:
+        return replace(final, text="", words=(), start=final.end)
+    text = " ".join(w.word for w in kept)
+    return replace(final, text=text, words=kept, start=kept[0].start)

@@ -44,6 +44,7 @@ from bench.http_probe import http_get, metric_value
 from client.reconnect import SEAM_WORDS, RetryPolicy, stream_with_reconnect
 from client.sources import FileSource
 from client.stream import ConnectError, StreamResult, stream_audio
+from client.timeline import RESUME_BEFORE_SEAM_S
 from server.config import ServerConfig
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.serve.app import WhisperwireServer
@@ -684,8 +685,9 @@ async def test_two_real_instances_behind_haproxy_drain_without_losing_a_word(
             assert await sessions_total(other) == other_before + 1  # the reconnect landed there
             first, second = resumed.sessions
             cut_s = first.done.audio_received_s
-            # The second session goes on from the first one's last final words.
-            resume_s = [w for f in first.finals for w in f.words][-SEAM_WORDS:][0].start
+            # The second session goes on from just before the first one's last final words.
+            seam = [w for f in first.finals for w in f.words][-SEAM_WORDS:]
+            resume_s = seam[0].start - RESUME_BEFORE_SEAM_S
             figures["cut_at_s"] = round(cut_s, 2)
             figures["resumed_from_s"] = round(resume_s, 2)
             assert 5.0 <= cut_s < joined_s - 2.0  # finished mid-stream, by the drain's end

@@ -30,6 +30,7 @@ from client.reconnect import (
 )
 from client.sources import FileSource, SourceError
 from client.stream import ConnectError, StreamFailed, retry_after_s
+from client.timeline import RESUME_BEFORE_SEAM_S
 from server.config import ServerConfig
 from server.protocol.formats import AudioFormat
 from server.protocol.messages import (
@@ -113,8 +114,11 @@ async def scripted(port: int = 0, **overrides: object) -> AsyncIterator[Whisperw
 
 
 def seam_start(finals: tuple[FinalMessage, ...]) -> float:
-    """Where a session after these finals starts: at their last ``SEAM_WORDS`` words."""
-    return [w for f in finals for w in f.words][-SEAM_WORDS:][0].start
+    """Where a session after these finals starts: ``RESUME_BEFORE_SEAM_S`` before their last
+    ``SEAM_WORDS`` words."""
+    return max(
+        0.0, [w for f in finals for w in f.words][-SEAM_WORDS:][0].start - RESUME_BEFORE_SEAM_S
+    )
 
 
 def check_one_timeline(resumed: ResumedStream, duration_s: float) -> None:

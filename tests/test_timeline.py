@@ -32,7 +32,7 @@ def test_the_words_heard_again_at_the_seam_are_dropped_once() -> None:
     assert heard.start == heard.words[0].start == 7.0
     # One of them only (the other was cut), or none: what is new stays.
     assert drop_seam_repeat(final_of("the arts", 6.5), seam, 6.0).text == "arts"
-    assert drop_seam_repeat(final_of("arts and", 6.5), seam, 6.0).text == "arts and"
+    assert drop_seam_repeat(final_of("arts and", 7.0), seam, 6.0).text == "arts and"
     # A repeat that is not at the seam is what the speaker said again.
     assert drop_seam_repeat(final_of("all the", 7.5), seam, 6.0).text == "all the"
     # All of it a repeat: an empty final keeps the segment ids in step.
@@ -56,3 +56,29 @@ def test_messages_of_a_later_session_are_moved_onto_the_sources_timeline() -> No
     done = shift_message(DoneMessage(2, 5.0, 4.0, 6.0, 1.0, 4.0, 0.0), 10.0, 3)
     assert done == DoneMessage(5, 15.0, 4.0, 6.0, 1.0, 4.0, 0.0)
     assert shift_message(final, 0.0, 0) == final
+
+
+def heard(*timed: tuple[str, float, float]) -> FinalMessage:
+    said = tuple(WordInfo(w, a, b, 0.9) for w, a, b in timed)
+    return FinalMessage(0, " ".join(w for w, _, _ in timed), said[0].start, said[-1].end, said, 9.0)
+
+
+def test_words_heard_inside_the_seams_time_are_dropped_whatever_they_were_heard_as() -> None:
+    """A session resumed at the seam hears its words again, and from a little before them:
+    a tail of the word before (or of a seam word it began inside) comes out as some other
+    word, and the last seam word may be heard as another. What ends by the seam's end is
+    dropped; the first word after it, and all that follow, stay."""
+    seam = (WordInfo("similar", 6.0, 6.4, 0.9), WordInfo("process", 6.5, 6.9, 0.9))
+    produced = ("produced", 7.0, 7.4)
+    # Begun inside "similar": its tail heard as "or" (the fault this rule mends).
+    inside = heard(("or", 6.2, 6.4), ("process", 6.5, 6.9), produced)
+    assert drop_seam_repeat(inside, seam, 6.1).text == "produced"
+    # Begun before it: the word before, then both seam words.
+    before = heard(("a", 5.7, 5.9), ("similar", 6.0, 6.4), ("process", 6.5, 6.9), produced)
+    assert drop_seam_repeat(before, seam, 5.75).text == "produced"
+    # The last seam word heard as another.
+    misheard = heard(("similar", 6.0, 6.4), ("progress", 6.5, 6.92), produced)
+    assert drop_seam_repeat(misheard, seam, 5.75).text == "produced"
+    # A new word that reads as a seam word once the seam's were read is new.
+    again = heard(("similar", 6.0, 6.4), ("process", 6.5, 6.9), ("process", 7.0, 7.4))
+    assert drop_seam_repeat(again, seam, 5.75).text == "process"

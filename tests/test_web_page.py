@@ -35,7 +35,7 @@ from client.subtitles import (
     vtt_document,
     words_from_final,
 )
-from client.timeline import drop_seam_repeat, shift_final
+from client.timeline import RESUME_BEFORE_SEAM_S, drop_seam_repeat, shift_final
 from server.protocol.messages import FinalMessage, ServerMessage, WordInfo, parse_server_message
 from tests.helpers import two_readers, write_wav
 from tests.subtitle_checks import read_srt, read_vtt, rule_violations
@@ -58,9 +58,6 @@ CLIP = "misc_en/jfk.wav"  # 11 s, 16 kHz mono 16-bit: a format the fake device p
 PHRASE = "ask not what your country can do for you"
 WORDS_WAIT_MS = 120_000  # real-time audio, then the real model on a busy 2-core machine
 STATE_WAIT_MS = 30_000  # page state changes: permission answers, stopping
-# A resumed session starts at the last SEAM_WORDS final words, this much early
-# (client/reconnect.py _RESUME_SLACK_S); the page does as the client does.
-RESUME_SLACK_S = 0.001
 PAGE_RATE_HZ = 16000  # the page's timeline counts samples at this rate
 # Words each side of a seam: a word the page's text lacks or has twice here is the seam's
 # doing (the cut word, the overlap heard twice); farther off, it is the recogniser's.
@@ -288,8 +285,9 @@ async def test_a_seam_counts_words_heard_twice_and_not_a_compound_written_apart(
 
 
 def check_resumed_at_seam_words(final_log: list[dict[str, Any]]) -> None:
-    """Each session after the first began (its offset on the page's timeline) at the
-    second-last final word before it, less the slack, as client/reconnect.py resumes."""
+    """Each session after the first began (its offset on the page's timeline)
+    ``RESUME_BEFORE_SEAM_S`` before the second-last final word before it, as
+    client/reconnect.py resumes, and never before the session that made that word."""
     for i in range(1, len(final_log)):
         at_s = final_log[i]["offsetS"]
         if at_s == final_log[i - 1]["offsetS"]:
@@ -299,7 +297,7 @@ def check_resumed_at_seam_words(final_log: list[dict[str, Any]]) -> None:
             for e in final_log[:i]
             for w in e["message"]["words"]
         ][-SEAM_WORDS:]
-        resume_s = before[0][1] - RESUME_SLACK_S
+        resume_s = max(before[0][1] - RESUME_BEFORE_SEAM_S, final_log[i - 1]["offsetS"])
         assert abs(at_s - resume_s) <= 1 / PAGE_RATE_HZ + 1e-6, (at_s, before)
 
 

@@ -9,9 +9,10 @@
 // Reconnects resume with overlap, as client/reconnect.py does: a session its server ends
 // mid-speech (a drain: its last finals, "done", close 1001) is cut mid-word, and the cut
 // word is lost unless someone hears it again. So the page keeps the audio it captured from
-// the start of the second-last final word on (SEAM_WORDS), starts the next session there and
-// sends that audio first, then the live audio; the words the new session repeats at the seam
-// are dropped from its first final (client/timeline.py, drop_seam_repeat).
+// a little before the second-last final word on (SEAM_WORDS, RESUME_BEFORE_SEAM_S), starts the
+// next session there and sends that audio first, then the live audio; the words the new
+// session repeats at the seam are dropped from its first final (client/timeline.py,
+// drop_seam_repeat).
 //
 // A full server refuses the handshake with 503 and Retry-After, which a browser does not
 // show to the page (the WebSocket just closes with 1006): the page asks /readyz, which says
@@ -25,8 +26,12 @@
   // Final words a resumed session hears again (client/reconnect.py SEAM_WORDS: the server
   // keeps as many at its own window cuts).
   const SEAM_WORDS = 2;
-  const RESUME_SLACK_S = 0.001; // wire times are rounded to ms: resume early rather than skip
   const SEAM_REPEAT_WINDOW_S = 1.0; // a repeat is looked for only this close to the seam
+  // client/timeline.py: a session resumes this long before the first seam word (whose start
+  // may be placed a syllable late), and an opening word that ends by the seam's end, give or
+  // take SEAM_END_TOLERANCE_S, was heard before, whatever it was heard as.
+  const RESUME_BEFORE_SEAM_S = 0.25;
+  const SEAM_END_TOLERANCE_S = 0.05;
   // Audio kept for a resend (client/reconnect.py RetryPolicy.max_replay_s): a cap for long
   // speech without a final; past it the oldest is dropped, with a warning.
   const MAX_REPLAY_S = 60;
@@ -77,7 +82,7 @@
     // timeline, from the resume point (or the oldest within MAX_REPLAY_S) to the newest.
     kept: [],
     keptOverflowWarned: false,
-    resumeSample: 0, // where a next session starts: the first seam word, less the slack
+    resumeSample: 0, // where a next session starts: RESUME_BEFORE_SEAM_S before the first seam word
     seamWords: [], // the last SEAM_WORDS final words, {word, start, end} on the page's timeline
     retries: 0,
     reconnectTimer: null,
@@ -692,14 +697,31 @@
     return 0;
   }
 
+  // How many opening `words` ({word, end} on the page's timeline) of a session's first final
+  // repeat `seam`: each reads as a seam word, in the seam's order (one may be skipped), or
+  // ends within the seam's time; client/timeline.py seam_repeat_count.
+  function seamRepeatCount(words, seam) {
+    const keys = seam.map((w) => comparable(w.word));
+    const seamEnd = seam.length ? seam[seam.length - 1].end + SEAM_END_TOLERANCE_S : 0;
+    let matched = 0;
+    let count = 0;
+    for (const w of words) {
+      const at = keys.indexOf(comparable(w.word), matched);
+      if (at >= 0) matched = at + 1;
+      else if (w.end > seamEnd) break;
+      count += 1;
+    }
+    return count;
+  }
+
   // `final` (the session's stream time) without the opening words that repeat the session's
   // seam, when they start within SEAM_REPEAT_WINDOW_S of it (the session starts at the seam:
   // stream time 0); client/timeline.py drop_seam_repeat. The text keeps its own spacing
   // (the server's text is its words joined). All of it repeated: no text, no words.
   function dropSeamRepeat(s, final) {
     const words = final.words;
-    if (words[0].start > SEAM_REPEAT_WINDOW_S) return { final, dropped: [] };
-    const n = repeatedAtSeam(words.map((w) => w.word), s.seam.map((w) => w.word));
+    if (words[0].start > SEAM_REPEAT_WINDOW_S || s.seam.length === 0) return { final, dropped: [] };
+    const n = seamRepeatCount(words.map((w) => ({ word: w.word, end: w.end + s.offsetS })), s.seam);
     if (n === 0) return { final, dropped: [] };
     const dropped = words.slice(0, n).map((w) => w.word);
     const kept = words.slice(n);
@@ -741,7 +763,7 @@
     const words = (final.words || []).map((w) => ({ word: w.word, start: w.start + s.offsetS, end: w.end + s.offsetS }));
     if (words.length === 0) return;
     state.seamWords = [...state.seamWords, ...words].slice(-SEAM_WORDS);
-    const resume = Math.floor((state.seamWords[0].start - RESUME_SLACK_S) * TARGET_RATE);
+    const resume = Math.floor((state.seamWords[0].start - RESUME_BEFORE_SEAM_S) * TARGET_RATE);
     state.resumeSample = Math.max(state.resumeSample, s.offsetSample, resume);
     trimKept();
   }
