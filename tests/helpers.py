@@ -28,6 +28,7 @@ from websockets.exceptions import ConnectionClosed
 from bench.corpus import ManifestRow, wav_bytes
 from server.config import PipelineConfig, ServerConfig, StreamingConfig
 from server.core.engine_api import (
+    DecodeInterrupted,
     DecodeRequest,
     DecodeResult,
     ModelShape,
@@ -210,12 +211,18 @@ class GatedEngine(ScriptedEngine):
         self.entered_calls.release()
         waited_s = 0.0
         # The wait at the gate stands for the token steps, and checks between them as the
-        # real engine does: a lane's ``interrupt`` stops a call held here.
+        # real engine does: a lane's ``interrupt`` stops a call held here. A call asked to
+        # stop gives back a pass it got meanwhile: the test meant it for another call.
         while not self.gate.acquire(True, GATE_STEP_S):
             stop_if_interrupted()
             waited_s += GATE_STEP_S
             if waited_s > GATE_TIMEOUT_S:
                 raise DecodeError("the test never opened the gate")
+        try:
+            stop_if_interrupted()
+        except DecodeInterrupted:
+            self.gate.release()
+            raise
         return super().decode_windows(windows)
 
 
