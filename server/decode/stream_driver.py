@@ -62,7 +62,8 @@ class StreamDriver:
         self.outcome: asyncio.Future[DriverOutcome] = loop.create_future()
         self.log = logging.LoggerAdapter(logger, {"session_id": session.session_id})
         self._decoding: asyncio.Task[None] | None = None
-        self._dropped: set[asyncio.Task[None]] = set()  # decodes a closing decode replaced
+        # Decodes a closing decode replaced, stale searches: cancelled, awaited at close.
+        self._dropped: set[asyncio.Task[None]] = set()
         self._searching: asyncio.Task[None] | None = None  # a background beam search
         self._embedding: asyncio.Task[None] | None = None
         self._closed = False
@@ -174,9 +175,7 @@ class StreamDriver:
         )
         if job is None:
             return
-        decoding.cancel()
-        self._dropped.add(decoding)
-        decoding.add_done_callback(self._dropped.discard)
+        self._abandon(decoding)
         self.pipeline.metrics.decodes_superseded.inc()
         self._decoding = asyncio.create_task(
             self._decode(job), name=f"decode-{self.session.session_id}-{job.job_id}"
@@ -186,11 +185,16 @@ class StreamDriver:
         """Cancel a background search whose result can no longer count
         (``Session.search_stale``): its lane is interrupted (``Pipeline``) and free for
         the stream's next utterance."""
-        searching.cancel()
-        self._dropped.add(searching)
-        searching.add_done_callback(self._dropped.discard)
+        self._abandon(searching)
         self._searching = None
         self.session.drop_search()
+
+    def _abandon(self, task: asyncio.Task[None]) -> None:
+        """Cancel a decode or search nobody awaits any more (the pipeline stops it on its
+        lane); ``close`` still waits for it to finish."""
+        task.cancel()
+        self._dropped.add(task)
+        task.add_done_callback(self._dropped.discard)
 
     def _refresh_job(self, job: DecodeJob) -> DecodeJob:
         return self.session.refresh_job(
