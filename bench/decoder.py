@@ -339,21 +339,26 @@ def bench_throughput(engine: Engine, stock: Stock, repeats: int, budget_s: float
     return out
 
 
+def _fallback_label(tradeoff: dict[str, Any]) -> str:
+    """The fallback contexts as a label ("5/10 s"); older results name one context."""
+    contexts = tradeoff.get("fallback_contexts_s") or [tradeoff["fallback_context_s"]]
+    return "/".join(format(c, "g") for c in contexts) + " s"
+
+
 def bench_tradeoff(engine: Engine) -> dict[str, Any]:
     """WER and encoder time of single-window decodes for each minimum audio context.
 
-    Rows run from the longest context down: the row at the engine's fallback context holds
-    the transcripts the fallback (decode a guarded window again with at least that context)
-    produces, so each shorter row also reports its WER with the fallback applied.
+    Rows run from the longest context down: the rows at the engine's fallback contexts hold
+    the transcripts the fallback (decode a guarded window again with the first of them longer
+    than its own) produces, so each shorter row also reports its WER with the fallback applied.
     """
     clips = [(c, s, t, load_speech(c)) for c, s, t in _english_clips(N_TRADEOFF_CLIPS)]
     refs = [t for _, _, t, _ in clips]
     options = DecodeOptions(word_timestamps=False)
     rows: dict[str, Any] = {}
-    fallback_s = engine.config.fallback_context_s
-    fallback_frames = engine.fallback_frames()
-    assert fallback_s in MIN_CONTEXTS_S, "the fallback context needs a row of its own"
-    fallback_texts: list[str] = []
+    fallbacks_s = engine.config.fallback_contexts_s
+    assert set(fallbacks_s) <= set(MIN_CONTEXTS_S), "each fallback context needs a row"
+    texts_at: dict[float, list[str]] = {}  # by minimum context, the rows done so far
     full_texts: list[str] = []  # the 30 s row: what a full-context fallback would give
     for min_context in sorted(MIN_CONTEXTS_S, reverse=True):
         policy = Engine(
@@ -371,18 +376,18 @@ def bench_tradeoff(engine: Engine) -> dict[str, Any]:
             frames.append(int(mel.shape[0]))
             hyps.append(result.text)
             stops.append(result.stop_reason)
-        if min_context == fallback_s:
-            fallback_texts = list(hyps)
+        texts_at[min_context] = list(hyps)
         if not full_texts:
             assert min_context >= 30.0, "the 30 s row runs first"
             full_texts = list(hyps)
-        fired = [
-            i
-            for i, (stop, n) in enumerate(zip(stops, frames, strict=True))
-            if stop.looped and n < fallback_frames
-        ]
-        fallback = [fallback_texts[i] if i in fired else h for i, h in enumerate(hyps)]
-        # The same guarded windows decoded again at 30 s instead (``fallback_context_s=30``).
+        fallback = list(hyps)
+        fired = 0
+        for i, (stop, n) in enumerate(zip(stops, frames, strict=True)):
+            target = engine.fallback_frames(n)
+            if stop.looped and target is not None:
+                fired += 1
+                fallback[i] = texts_at[target / FRAMES_PER_SECOND][i]
+        # The same guarded windows decoded again at 30 s instead (``fallback_contexts_s=(30.0,)``).
         fired_full = [
             i
             for i, (stop, n) in enumerate(zip(stops, frames, strict=True))
@@ -392,7 +397,7 @@ def bench_tradeoff(engine: Engine) -> dict[str, Any]:
         rows[f"{min_context:g}"] = {
             "min_context_s": min_context,
             "wer": round(_wer(refs, hyps), 4),
-            "guard_fired": len(fired),
+            "guard_fired": fired,
             "wer_with_fallback": round(_wer(refs, fallback), 4),
             "wer_with_30s_fallback": round(_wer(refs, full), 4),
             "encode_ms_p50": round(statistics.median(enc_s) * 1000, 1),
@@ -407,7 +412,7 @@ def bench_tradeoff(engine: Engine) -> dict[str, Any]:
         "audio_s": [s for _, s, _, _ in clips],
         "references": refs,
         "context_margin_s": engine.config.context_margin_s,
-        "fallback_context_s": fallback_s,
+        "fallback_contexts_s": list(fallbacks_s),
         "rows": {k: rows[k] for k in sorted(rows, key=float)},
     }
 
@@ -504,7 +509,7 @@ def plot(results: dict[str, Any]) -> None:
         [100 * r["wer_with_fallback"] for r in rows],
         "s--",
         color="C2",
-        label=f"WER, {results['tradeoff']['fallback_context_s']:g} s fallback",
+        label=f"WER, {_fallback_label(results['tradeoff'])} fallback",
     )
     ax.set(xlabel="minimum context (s)", ylabel="WER (%)", title="Dynamic context trade-off")
     ax.legend(loc="upper center")
@@ -569,7 +574,7 @@ def report(results: dict[str, Any]) -> str:
         f"dynamic context trade-off ({len(t['clips'])} English clips, single windows, "
         f"margin {t['context_margin_s']} s)",
         f"{'min ctx s':>10}{'WER %':>8}{'guards':>8}"
-        f"{'WER ' + format(t['fallback_context_s'], 'g') + ' s fallback %':>22}"
+        f"{'WER ' + _fallback_label(t) + ' fallback %':>22}"
         f"{'WER 30 s fallback %':>21}{'enc ms p50':>12}{'e2e ms p50':>12}",
     ]
     for r in t["rows"].values():

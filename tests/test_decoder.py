@@ -21,7 +21,7 @@ from server.engine.decoder import (
     repeat_start,
     repeated_tail,
 )
-from server.engine.engine import Engine, pad_to_full
+from server.engine.engine import Engine, EngineConfig, pad_to_full
 from server.engine.words import align_words, dtw, median_filter
 from server.protocol.formats import SAMPLE_RATE_HZ
 from tests.helpers import Float32Array
@@ -325,6 +325,23 @@ def test_the_engine_redecodes_a_guarded_window_with_a_longer_context(
     assert result.stop_reason not in (StopReason.REPETITION, StopReason.COMPRESSION)
     assert result.text.strip() and result.tokens != looped.tokens
     assert repeated_tail(list(result.tokens), 12, 2) is None
+
+
+def test_a_guarded_window_falls_back_to_the_first_longer_context(engine: Engine) -> None:
+    """3-4 s of context are decoded again at 5 s, 5-9 s at 10 s, 10 s and more never: the
+    5 s retry halves the encoder of the usual short-context loop, and the 5-9 s windows keep
+    their 10 s retry (with 5 s alone, a long recording doubled a word at a final's edge)."""
+    assert engine.config.fallback_contexts_s == (5.0, 10.0)
+    assert engine.fallback_frames(300) == 500
+    assert engine.fallback_frames(400) == 500
+    assert engine.fallback_frames(500) == 1000
+    assert engine.fallback_frames(900) == 1000
+    assert engine.fallback_frames(1000) is None
+    assert engine.fallback_frames(3000) is None
+    with pytest.raises(ValueError, match="increasing"):
+        EngineConfig(fallback_contexts_s=(10.0, 5.0))
+    with pytest.raises(ValueError, match="increasing"):
+        EngineConfig(fallback_contexts_s=(5.0, 40.0))
 
 
 def test_padding_a_policy_mel_to_full_context_equals_computing_it(

@@ -49,12 +49,12 @@ class EngineConfig:
     min_context_s: float = 3.0  # shorter: more loops and changed words (bench-decoder table)
     context_margin_s: float = 1.0  # padding encoded after the real audio
     context_step_s: float = 1.0  # contexts are rounded up to this, so windows batch together
-    # A window whose decode hit a loop guard is decoded again with at least this much context
-    # (never when it already had that much): a short context's loops are the usual cause.
-    # Streamed, about one decode in twelve falls back. On the 40 test-other clips (simulated at
-    # modelled cost) 5 s read the same finals as 10 s, clip for clip per utterance and in the
-    # same 135 errors word by word, and their fallbacks took 28.5 s of decoding against 47.0 s.
-    fallback_context_s: float = 5.0
+    # A window whose decode hit a loop guard is decoded again with the first of these contexts
+    # that is longer than its own (none: it keeps its result): a short context's loops are the
+    # usual cause. Streamed, about one decode in twelve falls back, most of them from 3-4 s
+    # contexts; 10 s alone cost those 2.5-3x an ordinary decode (bench/README.md, "A cheaper
+    # fallback"). 10 s fixes the loops of short contexts where 30 s costs 2.7 s of encoder.
+    fallback_contexts_s: tuple[float, ...] = (5.0, 10.0)
     blas_threads: int = 1  # OpenBLAS threads on CPU; more spin and starve the other stages
     # GELU, attention and softmax from ``cpu_kernels`` on the CPU backend in float32, in the
     # encoder, the decoder's prefill and word alignment (encoder 1.4x faster at 10 s, a
@@ -68,8 +68,9 @@ class EngineConfig:
             raise ValueError("min_context_s must be in (0, 30]")
         if self.blas_threads < 1:
             raise ValueError("blas_threads must be >= 1")
-        if not 0 < self.fallback_context_s <= 30:
-            raise ValueError("fallback_context_s must be in (0, 30]")
+        contexts = self.fallback_contexts_s
+        if not all(0 < c <= 30 for c in contexts) or list(contexts) != sorted(set(contexts)):
+            raise ValueError("fallback_contexts_s must be increasing, each in (0, 30]")
         if self.context_margin_s < 0 or self.context_step_s <= 0:
             raise ValueError("context_margin_s must be >= 0 and context_step_s > 0")
 
@@ -171,9 +172,14 @@ class Engine:
         frames = round(min(seconds, 30.0) * FRAMES_PER_SECOND)
         return min(N_FRAMES, frames + frames % 2)
 
-    def fallback_frames(self) -> int:
-        """Mel frames of the context a guarded window is decoded again with."""
-        return min(N_FRAMES, round(self.config.fallback_context_s * FRAMES_PER_SECOND))
+    def fallback_frames(self, frames: int) -> int | None:
+        """Mel frames of the context a guarded window of ``frames`` is decoded again with:
+        the first fallback context longer than its own, or None."""
+        for seconds in self.config.fallback_contexts_s:
+            target = min(N_FRAMES, round(seconds * FRAMES_PER_SECOND))
+            if target > frames:
+                return target
+        return None
 
     def features(self, audio: Float32Array, frames: int | None = None) -> Float32Array:
         """Log-mel of ``audio`` padded with silence to ``frames`` (default: the policy)."""
@@ -210,22 +216,21 @@ class Engine:
             stop_if_interrupted()
             requests = [w.request for w in windows]
             results = self.decode_encoded(requests, feats)
-            fallback = self.fallback_frames()
-            retry = [
-                i
-                for i, (r, w) in enumerate(zip(results, windows, strict=True))
-                if r.stop_reason.looped and w.mel.shape[0] < fallback
-            ]
+            retry: list[tuple[int, int]] = []
+            for i, (r, w) in enumerate(zip(results, windows, strict=True)):
+                frames = self.fallback_frames(int(w.mel.shape[0]))
+                if r.stop_reason.looped and frames is not None:
+                    retry.append((i, frames))
             if retry:
                 # A short audio context is the usual cause of loops; decode those windows
                 # again with a longer one (the fallback context, or 30 s as Whisper sees it).
                 # The looped decode's own output is the draft: it saw the same audio, and
                 # verification drops the loop.
-                longer = self.encode([pad_to_full(windows[i].mel, fallback) for i in retry])
+                longer = self.encode([pad_to_full(windows[i].mel, f) for i, f in retry])
                 again = self.decode_encoded(
-                    [replace(requests[i], draft=results[i].sequence) for i in retry], longer
+                    [replace(requests[i], draft=results[i].sequence) for i, _ in retry], longer
                 )
-                for i, r in zip(retry, again, strict=True):
+                for (i, _), r in zip(retry, again, strict=True):
                     results[i] = r
             return results
         except (RuntimeError, ValueError, IndexError) as exc:
