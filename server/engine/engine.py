@@ -218,9 +218,8 @@ class Engine:
             results = self.decode_encoded(requests, feats)
             retry: list[tuple[int, int]] = []
             for i, (r, w) in enumerate(zip(results, windows, strict=True)):
-                frames = self.fallback_frames(int(w.mel.shape[0]))
-                if r.stop_reason.looped and frames is not None:
-                    retry.append((i, frames))
+                if r.stop_reason.looped and (f := self.fallback_frames(w.mel.shape[0])):
+                    retry.append((i, f))
             if retry:
                 # A short audio context is the usual cause of loops; decode those windows
                 # again with a longer one (the fallback context, or 30 s as Whisper sees it).
