@@ -14,9 +14,17 @@ import numpy as np
 import pytest
 
 from bench.corpus import ManifestRow, load_clip, normalize, wer
-from server.core.engine_api import DecodeOptions, DecodeRequest, DecodeResult, StopReason, Window
+from server.core.engine_api import (
+    DecodeOptions,
+    DecodeRequest,
+    DecodeResult,
+    StopReason,
+    Window,
+    WordTiming,
+)
 from server.engine.decoder import (
     compression_ratio,
+    crammed_copy_start,
     draft_continuation,
     repeat_start,
     repeated_tail,
@@ -147,6 +155,58 @@ def test_short_repeats_and_new_endings_are_left_alone() -> None:
     assert repeat_start(_words("a b c a b c then more"), 3) is None  # not at the end
     assert repeat_start(_words("one two three four"), 3) is None
     assert repeat_start([], 3) is None
+
+
+def _timed(words: list[tuple[str, float, float]]) -> tuple[WordTiming, ...]:
+    return tuple(
+        WordTiming(
+            word=w if w == "." else f" {w}", tokens=(k,), start_s=s, end_s=e, probability=0.9
+        )
+        for k, (w, s, e) in enumerate(words)
+    )
+
+
+def test_a_phrase_read_again_in_no_time_is_a_repeat() -> None:
+    # The alignment of a beam search over a stream's last 1.4 s (test-other 2609-156975-0004):
+    # the second copy has 0.34 s, the first 1.04 s.
+    words = _timed(
+        [
+            ("Gives", 0.0, 0.74),
+            ("as", 0.74, 0.88),
+            ("a", 0.88, 1.04),
+            ("period", 1.04, 1.04),
+            (".", 1.04, 1.04),
+            ("Give", 1.04, 1.04),
+            ("as", 1.04, 1.04),
+            ("a", 1.04, 1.14),
+            ("period", 1.14, 1.38),
+            (".", 1.38, 1.38),
+        ]
+    )
+    assert crammed_copy_start(words, 3) == 5
+
+
+def test_a_phrase_said_again_at_its_own_pace_is_speech() -> None:
+    spoken = ["the", "dog", "sat", "down", "and", "the", "cat", "sat", "down"]
+    words = _timed([(w, 0.3 * k, 0.3 * k + 0.28) for k, w in enumerate(spoken)])
+    assert crammed_copy_start(words, 3) is None
+    # Faster the second time, but not crammed: people speed up.
+    faster = _timed(
+        [(w, 0.3 * k, 0.3 * k + 0.28) for k, w in enumerate(spoken[:5])]
+        + [(w, 1.5 + 0.2 * k, 1.5 + 0.2 * k + 0.18) for k, w in enumerate(spoken[5:])]
+    )
+    assert crammed_copy_start(faster, 3) is None
+
+
+def test_a_crammed_copy_needs_three_words_and_the_ending() -> None:
+    assert crammed_copy_start(_timed([("yes", 0.0, 0.5), ("yes", 0.5, 0.55)]), 3) is None
+    copy_then_more = [("go", 0.0, 0.3), ("on", 0.3, 0.6), ("now", 0.6, 0.9)] * 2
+    copy_then_more[3:] = [
+        (w, 0.9 + 0.01 * k, 0.91 + 0.01 * k) for k, (w, _, _) in enumerate(copy_then_more[3:])
+    ]
+    assert crammed_copy_start(_timed(copy_then_more), 3) == 3
+    assert crammed_copy_start(_timed([*copy_then_more, ("then", 1.0, 1.3)]), 3) is None
+    assert crammed_copy_start((), 3) is None
 
 
 # --- compression_ratio -------------------------------------------------------------------------
@@ -370,6 +430,39 @@ def test_an_ending_read_twice_is_trimmed_without_a_full_context_redecode(
     assert result.is_speech
     assert normalize(result.text).count("similar process") == 1
     assert wer(reference, result.text) < 0.15
+
+
+COPY_CLIP = "librispeech_test-other/2609-156975-0004.wav"
+# What a served stream had final before the last 1.4 s of COPY_CLIP ("give of the period").
+COPY_PROMPT = (
+    " Everyone who's turbulent has been found by human path. The testimony of the oldest"
+    " biblical narrative regarding the subjourn of the Hebrews in Egypt is also in perfect"
+    " accord with the picture with contemporary Egyptian"
+)
+
+
+def test_a_short_window_read_twice_in_no_time_keeps_one_reading(
+    engine: Engine, speech_dir: Path
+) -> None:
+    """Served, the closing beam search of that stream's last utterance read "Gives as a
+    period. Give as a period.", the second copy aligned to its last 0.34 s."""
+    audio = load_clip(speech_dir / COPY_CLIP)[
+        round(16.72 * SAMPLE_RATE_HZ) : round(18.11 * SAMPLE_RATE_HZ)
+    ]
+    audio_s = audio.shape[0] / SAMPLE_RATE_HZ
+    request = DecodeRequest(
+        audio_s, DecodeOptions(beam_size=5), prompt=engine.encode_text(COPY_PROMPT)
+    )
+    mel = engine.features(audio, engine.context_frames(audio_s))
+    result = engine.decode_windows([Window(mel, request)])[0]
+    assert result.stop_reason == StopReason.REPEAT_AT_END
+    assert normalize(result.text).split().count("period") == 1, result.text
+    assert [w.word for w in result.words][-2:] == [" period", "."]
+    assert result.text == engine.decode_text(result.tokens)
+    # Without word times nothing tells the copy from speech: both readings stay.
+    untimed = replace(request, options=replace(request.options, word_timestamps=False))
+    doubled = engine.decode_windows([Window(mel, untimed)])[0]
+    assert normalize(doubled.text).split().count("period") == 2, doubled.text
 
 
 def test_a_transcript_started_over_is_whole_and_not_decoded_again(

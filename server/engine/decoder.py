@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,9 @@ logger = logging.getLogger("server.engine.decoder")
 NEG_INF = -np.inf
 SECONDS_PER_TIMESTAMP = 0.02
 END_SLACK_S = 0.5  # a transcript whose timestamps reach this close to the audio end is whole
+# A loose copy of the words before it that aligns to less than this share of their time is
+# a reading the audio has no room for (``crammed_copy_start``).
+CRAMMED_COPY_SHARE = 0.5
 GEMV_MAX_ROWS = 2  # from 3 rows up, one sgemm beats a matrix-vector product per row
 # Draft tokens fed with the prefill, at most: about a 15 s window's output (the session's
 # longest). Measured on our 2-core CPU: each draft token fed costs 0.6-0.7 ms of prefill, each
@@ -174,17 +178,41 @@ def _loose_copy_start(keys: list[str], min_words: int) -> int | None:
     without); "The latter traditions tend to extend the period. The later traditions tend to
     extend the period." and "... disagree regarding the derates of the sojourn in Egypt. The
     biblical narratives apparently disagreeing the derates of the sojourn in Egypt." (an
-    utterance's closing beam search on test-other 2609 long). Both copies end alike, which
-    keeps the search to a few candidate lengths."""
+    utterance's closing beam search on test-other 2609 long)."""
+    return next((start for start, _ in _loose_copies(keys, min_words)), None)
+
+
+def _loose_copies(keys: list[str], min_words: int) -> Iterator[tuple[int, int]]:
+    """Each ending of at least ``min_words`` words that reads the words just before it again
+    loosely (``_loose_copy_start``), as (its start, how many words before it it reads), the
+    longest ending first. Both copies end alike, which keeps the search to a few candidate
+    lengths."""
     n = len(keys)
-    for m in range(n // 2, min_words - 1, -1):  # the longest copy first: the earliest start
+    for m in range(n // 2, min_words - 1, -1):
         s = n - m
         if keys[s - 1] != keys[-1]:
             continue
         allowed = max(1, m // 5)
         for la in range(max(min_words, m - allowed), min(s, m + allowed) + 1):
             if _word_edits(keys[s - la : s], keys[s:], allowed) <= allowed:
-                return s
+                yield s, la
+
+
+def crammed_copy_start(words: tuple[WordTiming, ...], min_words: int) -> int | None:
+    """The index in ``words`` where an ending starts that reads the words just before it
+    again, loosely (``_loose_copies``), in under ``CRAMMED_COPY_SHARE`` of the time they
+    took: the audio had no room for it. None when there is none. Seen on a stream's last
+    1.4 s (test-other 2609-156975-0004, "give of the period" after a prompt ending "Egyptian"):
+    "Gives as a period. Give as a period.", the second copy aligned to 17.76-18.10 s, the
+    first to 16.72-17.76 s. Phrases said twice take about as long each time; too short to
+    count under ``_loose_copy_start``'s length, this one is told by its time."""
+    spoken = [i for i, w in enumerate(words) if normalize_word(w.word)]
+    keys = [normalize_word(words[i].word) for i in spoken]
+    for s, la in _loose_copies(keys, min_words):
+        first = words[spoken[s - la]].start_s, words[spoken[s - 1]].end_s
+        second = words[spoken[s]].start_s, words[spoken[-1]].end_s
+        if second[1] - second[0] < CRAMMED_COPY_SHARE * (first[1] - first[0]):
+            return spoken[s]
     return None
 
 
@@ -880,6 +908,11 @@ class StreamingDecoder:
             ]
             n_frames = min(row.n_audio, max(1, math.ceil(r.audio_s * AUDIO_TOKENS_PER_SECOND)))
             words = tuple(self._words(r, row, list(text_tokens), probs, cross, n_frames))
+            start = crammed_copy_start(words, opts.repetition_phrase_words)
+            kept = sum(len(w.tokens) for w in words[:start]) if start is not None else 0
+            if start is not None and kept >= len(r.prefix):
+                row.full, row.stop = self._truncate_text(seq, kept), StopReason.REPEAT_AT_END
+                return self._result(row, cross)
         return DecodeResult(
             tokens=text_tokens,
             text=text,
