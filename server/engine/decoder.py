@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,11 +182,15 @@ def _loose_copy_start(keys: list[str], min_words: int) -> int | None:
     return next((start for start, _ in _loose_copies(keys, min_words)), None)
 
 
-def _loose_copies(keys: list[str], min_words: int) -> Iterator[tuple[int, int]]:
+def _loose_copies(
+    keys: list[str],
+    min_words: int,
+    timed: Callable[[int, int], bool] = lambda start, before: True,
+) -> Iterator[tuple[int, int]]:
     """Each ending of at least ``min_words`` words that reads the words just before it again
     loosely (``_loose_copy_start``), as (its start, how many words before it it reads), the
-    longest ending first. Both copies end alike, which keeps the search to a few candidate
-    lengths."""
+    longest ending first; only pairs ``timed`` accepts, asked before the words are compared.
+    Both copies end alike, which keeps the search to a few candidate lengths."""
     n = len(keys)
     for m in range(n // 2, min_words - 1, -1):
         s = n - m
@@ -194,7 +198,7 @@ def _loose_copies(keys: list[str], min_words: int) -> Iterator[tuple[int, int]]:
             continue
         allowed = max(1, m // 5)
         for la in range(max(min_words, m - allowed), min(s, m + allowed) + 1):
-            if _word_edits(keys[s - la : s], keys[s:], allowed) <= allowed:
+            if timed(s, la) and _word_edits(keys[s - la : s], keys[s:], allowed) <= allowed:
                 yield s, la
 
 
@@ -208,12 +212,13 @@ def crammed_copy_start(words: tuple[WordTiming, ...], min_words: int) -> int | N
     count under ``_loose_copy_start``'s length, this one is told by its time."""
     spoken = [i for i, w in enumerate(words) if normalize_word(w.word)]
     keys = [normalize_word(words[i].word) for i in spoken]
-    for s, la in _loose_copies(keys, min_words):
-        first = words[spoken[s - la]].start_s, words[spoken[s - 1]].end_s
-        second = words[spoken[s]].start_s, words[spoken[-1]].end_s
-        if second[1] - second[0] < CRAMMED_COPY_SHARE * (first[1] - first[0]):
-            return spoken[s]
-    return None
+
+    def crammed(start: int, before: int) -> bool:
+        first = words[spoken[start - 1]].end_s - words[spoken[start - before]].start_s
+        second = words[spoken[-1]].end_s - words[spoken[start]].start_s
+        return second < CRAMMED_COPY_SHARE * first
+
+    return next((spoken[start] for start, _ in _loose_copies(keys, min_words, crammed)), None)
 
 
 def _word_edits(a: list[str], b: list[str], limit: int) -> int:
