@@ -1347,10 +1347,12 @@ def test_background_searches_hold_the_words_two_agree_on_and_the_closing_decode_
     onset = next(e.start for e in items if isinstance(e, SpeechStartedMessage))
     first = background[0]
     assert isinstance(first, DecodeJob)
-    assert first.end_sample / SAMPLE_RATE_HZ - onset >= 6.0
+    config = StreamingConfig()
+    assert first.end_sample / SAMPLE_RATE_HZ - onset >= config.utterance_search_s
     assert all(not job.urgent and job.request.options.beam_size == 5 for job in background)
     ends = [job.end_sample for job in background if isinstance(job, DecodeJob)]
-    assert all(b - a >= 2.0 * SAMPLE_RATE_HZ for a, b in pairwise(ends))
+    step = config.utterance_search_step_s * SAMPLE_RATE_HZ
+    assert all(b - a >= step for a, b in pairwise(ends))
     # The window was cut while the speaker spoke: the decodes after it start later and carry
     # the held words of the last 4 s before the cut as their prefix (a word a half second).
     ended = next(i for i, e in enumerate(items) if isinstance(e, SpeechEndedMessage))
