@@ -14,7 +14,8 @@
   only from the first token it disagrees with. The output is greedy decoding's, whatever
   the draft.
 - Guards: Whisper's token suppression and timestamp rules, no-speech probability, a token
-  cap per audio second, a repeated-n-gram cut and a compression-ratio check.
+  cap per audio second, a repeated-n-gram cut, a compression-ratio check, and endings that
+  read the words before them again (word for word, loosely, or in no time) cut off.
 """
 
 from __future__ import annotations
