@@ -155,11 +155,16 @@ def simulate(
     decode_cost_s: Callable[[DecodeJob], float] | None = None,
     speakers: SpeakerEmbedder | None = None,
     spare_lane: bool = False,
+    decoder: Callable[[DecodeJob], DecodeResult] | None = None,
+    on_session: Callable[[Session], object] | None = None,
 ) -> SimulationResult:
     """Stream ``audio`` through a fresh session; see the module docstring.
 
     ``decode_cost_s`` replaces the measured wall time of each decode with a modelled cost, so
     that window positions -- and therefore the text -- are the same on every run (tests).
+    ``decoder``: decodes a job in place of ``engine`` (a cache of recorded results, which
+    ``bench.ablation`` replays); its time counts only where no modelled cost is given.
+    ``on_session``: called with the session once it is done (its rule counters).
     """
     session = Session(
         session_id, streaming=streaming, vad=vad, multilingual=engine.dims.is_multilingual
@@ -173,7 +178,10 @@ def simulate(
 
     def decode(job: DecodeJob) -> tuple[DecodeResult, float]:
         started = time.perf_counter()
-        decoded = engine.decode_windows([Window(engine.features(job.audio), job.request)])[0]
+        if decoder is not None:
+            decoded = decoder(job)
+        else:
+            decoded = engine.decode_windows([Window(engine.features(job.audio), job.request)])[0]
         spent = time.perf_counter() - started
         return decoded, spent if decode_cost_s is None else decode_cost_s(job)
 
@@ -218,4 +226,6 @@ def simulate(
         session.receive_result(job, decoded)
         for m in session.events_to_send():
             result.events.append(TimedEvent(clock, m))
+    if on_session is not None:
+        on_session(session)
     return result

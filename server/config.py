@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from server.core.policy import CommitConfig
+from server.core.rules import RulesConfig
 from server.core.speakers import SpeakerConfig
 from server.protocol.formats import FINALS, TASKS
 
@@ -16,6 +18,8 @@ from server.protocol.formats import FINALS, TASKS
 # whole, as offline decoding hears them (Whisper's 30 s context). Past half of it, words
 # commit one by one as in "words" finals, so a long utterance still gets finals.
 UTTERANCE_WINDOW_S = 30.0
+
+_Config = TypeVar("_Config")
 
 
 @dataclass(frozen=True)
@@ -151,16 +155,6 @@ class StreamingConfig:
     # bench-accuracy at modelled cost, errors on: test-other short 115 (116 off), long 129
     # (123), final p95 2.78 / 2.47 s (2.78 / 2.93); LJ long 34 (35); sonnets 48 (48).
     utterance_cut_inside_commit: bool = True
-    # In "utterance" finals, a phrase ends at the last pause (silence covering
-    # ``speech_pad_ms`` that speech went on after) once the window before it holds this much
-    # audio: the speculative closing decode up to that pause (run late if a decode was in
-    # flight while it lasted) makes the phrase's words final where it agrees with the decode
-    # before it (``CommitPolicy.update``), and the utterance goes on in the same window with
-    # them as its forced prefix. Off (0) by default: on test-other (bench/README.md,
-    # "Phrases") it read 3 and 1 errors fewer than off (short clips, long recordings) but
-    # no shorter final p95. Off, an utterance's words become final only at the endpoint (or
-    # past half the window cap, word by word).
-    utterance_phrase_s: float = 0.0
     # In "utterance" finals, a stream with a decode lane to spare (fewer streams than lanes)
     # beam-searches its open window in the background once the utterance holds this much
     # audio, and again after each ``utterance_search_step_s`` of new audio. The words that two
@@ -185,6 +179,7 @@ class StreamingConfig:
     commit: CommitConfig = field(default_factory=CommitConfig)  # when a word becomes final
     detection: LanguageConfig = field(default_factory=LanguageConfig)  # with language None
     speakers: SpeakerConfig = field(default_factory=SpeakerConfig)  # who is speaking (--speakers)
+    rules: RulesConfig = field(default_factory=RulesConfig)  # the streaming rules' own knobs
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -223,11 +218,6 @@ class StreamingConfig:
             raise ValueError(
                 "utterance_busy_settled_context_s must be >= 0; "
                 f"got {self.utterance_busy_settled_context_s}"
-            )
-        if not 0 <= self.utterance_phrase_s <= UTTERANCE_WINDOW_S:
-            raise ValueError(
-                f"utterance_phrase_s must be in [0, {UTTERANCE_WINDOW_S:g}]; "
-                f"got {self.utterance_phrase_s}"
             )
         if not 0 <= self.utterance_search_s <= UTTERANCE_WINDOW_S:
             raise ValueError(
@@ -453,3 +443,21 @@ class ServerConfig:
     @property
     def tls(self) -> bool:
         return self.tls_cert_path is not None
+
+
+def with_setting(config: _Config, path: str, value: object) -> _Config:
+    """``config`` with the field at the dotted ``path`` set to ``value``; a path goes into
+    nested configs (``rules.stalled_tail.min_voiced_s``, ``commit.min_window_s``), and a list
+    becomes a tuple. Raises ValueError naming the fields there are, or the field's own check."""
+    name, _, rest = path.partition(".")
+    fields = {f.name for f in dataclasses.fields(config)}  # type: ignore[arg-type]
+    if name not in fields:
+        raise ValueError(f"no setting {name!r} here; there are {', '.join(sorted(fields))}")
+    current = getattr(config, name)
+    if rest:
+        if not dataclasses.is_dataclass(current):
+            raise ValueError(f"{name!r} has no settings inside it")
+        value = with_setting(current, rest, value)
+    elif isinstance(value, list):
+        value = tuple(value)
+    return dataclasses.replace(config, **{name: value})  # type: ignore[type-var]

@@ -291,6 +291,12 @@ class Metrics:
             "Engine calls stopped on their lane because nobody waited for their result any "
             "more: a replaced or dropped decode, a stale search, a client that left",
         )
+        self.rules_fired = Counter(
+            "whisperwire_stream_rules_fired_total",
+            "Streaming rules that fired in finished sessions, by rule (server/core/rules.py); "
+            "final:WHY counts words made final by each path",
+            ("rule",),
+        )
         self.beam_searches = Counter(
             "whisperwire_beam_searches_total",
             "Closing decodes run as a beam search",
@@ -334,6 +340,7 @@ class Metrics:
             self.capacity_catch_up_calls,
             self.decodes_superseded,
             self.decodes_interrupted,
+            self.rules_fired,
             self.beam_searches,
             self.beam_searches_made_greedy,
         ]

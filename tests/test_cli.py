@@ -71,15 +71,6 @@ def test_auto_is_one_lane_per_core_on_the_cpu() -> None:
             "0",
             "utterance_beam_size must be in [1, 16]",
         ),
-        # utterance phrases have a flag, checked against the utterance window
-        (
-            "--utterance-phrase-s",
-            "utterance_phrase_s",
-            lambda: StreamingConfig().utterance_phrase_s,
-            "0",
-            "31",
-            "utterance_phrase_s must be in [0, 30]",
-        ),
         # and the background searches of a long utterance (on a spare lane)
         (
             "--utterance-search-s",

@@ -30,6 +30,7 @@ from server.apis.v1_stream import apply_text
 from server.config import UTTERANCE_WINDOW_S, StreamingConfig, VadConfig
 from server.core.agreement import normalize_word
 from server.core.engine_api import DecodeOptions, DecodeResult, Window, WordTiming
+from server.core.planner import Load
 from server.core.session import (
     MAX_DECODE_FAILURES,
     DecodeJob,
@@ -627,7 +628,7 @@ def test_the_schedulers_hop_stretches_the_decode_cadence(speech_dir: Path) -> No
     ] = []  # of the re-decodes (a closing decode, speculative or not, never waits)
     for chunk in range(0, audio.shape[0], SAMPLE_RATE_HZ // 10):
         session.feed_audio(pcm_s16le_bytes(audio[chunk : chunk + SAMPLE_RATE_HZ // 10]))
-        while (job := session.next_job(min_hop_s=0.7)) is not None:
+        while (job := session.next_job(Load(min_hop_s=0.7))) is not None:
             if not job.speculative:
                 lengths.append(job.audio_s)
             session.receive_result(job, _scripted_decode(engine, job))
@@ -821,7 +822,7 @@ def test_a_crowded_server_caps_the_window(speech_dir: Path, crowded: bool) -> No
     longest = 0.0
     for i in range(0, len(pcm), 3_200):
         session.feed_audio(pcm[i : i + 3_200])
-        while (job := session.next_job(crowded=crowded)) is not None:
+        while (job := session.next_job(Load(crowded=crowded))) is not None:
             longest = max(longest, job.audio_s)
             session.receive_result(job, _scripted_decode(engine, job))
     cap = config.crowded_max_window_s if crowded else config.max_window_s
@@ -837,7 +838,7 @@ def _feed_answering(
     """``pcm`` in 0.1 s chunks, each job answered at once."""
     for i in range(0, len(pcm), 3_200):
         session.feed_audio(pcm[i : i + 3_200])
-        while (job := session.next_job(crowded=crowded)) is not None:
+        while (job := session.next_job(Load(crowded=crowded))) is not None:
             session.receive_result(job, _scripted_decode(engine, job))
 
 
@@ -887,10 +888,10 @@ def test_a_refreshed_job_stays_within_the_window_cap_and_closes_with_its_segment
     start = 9 * SAMPLE_RATE_HZ
     _feed_answering(session, engine, pcm_s16le_bytes(clip[:start]), crowded=True)
     session.feed_audio(pcm_s16le_bytes(clip[start : start + SAMPLE_RATE_HZ // 2]))
-    job = session.next_job(crowded=True)
+    job = session.next_job(Load(crowded=True))
     assert job is not None
     session.feed_audio(pcm_s16le_bytes(clip[start + SAMPLE_RATE_HZ // 2 : 13 * SAMPLE_RATE_HZ]))
-    fresh = session.refresh_job(job, crowded=True)
+    fresh = session.refresh_job(job, Load(crowded=True))
     assert fresh.audio_s == pytest.approx(config.crowded_max_window_s, abs=1e-3)
     assert not fresh.closing
 
@@ -931,7 +932,7 @@ def test_a_closing_decode_asks_for_a_beam_search(speech_dir: Path, crowded: bool
     widths: list[tuple[bool, int]] = []
     for i in range(0, len(pcm), 3_200):
         session.feed_audio(pcm[i : i + 3_200])
-        while (job := session.next_job(crowded=crowded)) is not None:
+        while (job := session.next_job(Load(crowded=crowded))) is not None:
             widths.append((job.closing, job.request.options.beam_size))
             session.receive_result(job, _scripted_decode(engine, job))
     assert {beam for closing, beam in widths if closing} == {config.closing_beam_size}
@@ -994,11 +995,11 @@ def test_utterance_finals_come_together_from_one_decode_of_the_whole_utterance(
 
 
 def _utterance_finals_of_long_speech(
-    speech_dir: Path, phrase_s: float
+    speech_dir: Path,
 ) -> list[tuple[int, SessionEvent | DecodeJob]]:
     """70 s of LJ Speech read aloud (few pauses long enough to end an utterance) in 0.1 s
-    frames, through a session with ``finals: "utterance"`` and ``utterance_phrase_s``."""
-    session = Session("long", streaming=StreamingConfig(utterance_phrase_s=phrase_s))
+    frames, through a session with ``finals: "utterance"``."""
+    session = Session("long")
     session.configure(StreamSettings(finals="utterance"))
     clip = load_clip(speech_dir / LONG_SPEECH_CLIP)[: 70 * SAMPLE_RATE_HZ]
     return _drive_logging_jobs(session, ScriptedEngine(), _frames_of(clip, chunk_s=0.1))
@@ -1013,9 +1014,8 @@ def test_utterance_finals_go_word_by_word_past_half_the_window(speech_dir: Path)
     """An utterance longer than half of ``UTTERANCE_WINDOW_S`` gets finals as it goes, so a
     speaker who never pauses still sees text become final; never before the utterance holds
     that much, and no window longer than the cap. A window cut past that (here at the cap)
-    goes on word by word: its words do not wait for half a window again. (Phrases off: with
-    them, the pauses in this reading end phrases first.)"""
-    log = _utterance_finals_of_long_speech(speech_dir, 0.0)
+    goes on word by word: its words do not wait for half a window again."""
+    log = _utterance_finals_of_long_speech(speech_dir)
     jobs = [job for _, job in log if isinstance(job, DecodeJob)]
     assert max(job.audio_s for job in jobs) <= UTTERANCE_WINDOW_S
     assert len({job.start_s for job in jobs}) > 1  # the window was cut
@@ -1148,123 +1148,6 @@ def test_a_long_utterances_first_commit_cuts_the_window_after_its_last_sentence_
     sent = [w for f in finals for w in f.words]
     for a, b in pairwise(sent):  # none sent twice, none skipped
         assert a.end <= b.start + 1e-6 and b.start - a.end < ScriptedEngine.WORD_S, (a, b)
-
-
-PHRASE_CLIPS = (  # 10 s, 3 s and 5 s of one reader, joined by pauses shorter than the endpoint
-    "librispeech_test-clean/1089-134686-0000.wav",
-    "librispeech_test-clean/1089-134686-0001.wav",
-    "librispeech_test-clean/1089-134691-0001.wav",
-)
-PHRASE_S = 8.0  # phrases are off by default; the length bench/README.md measured them at
-
-
-def _phrases(speech_dir: Path, phrase_s: float) -> list[tuple[int, SessionEvent | DecodeJob]]:
-    """``PHRASE_CLIPS`` 0.45 s apart in 0.1 s frames, through a session with ``finals:
-    "utterance"``. The detector hears 0.25-0.35 s of each pause as silence: past the 200 ms
-    pad, short of the 500 ms endpoint, so the clips are one utterance of 19 s."""
-    pause = np.zeros(int(0.45 * SAMPLE_RATE_HZ), dtype=np.float32)
-    parts = [load_clip(speech_dir / f) for f in PHRASE_CLIPS]
-    audio = np.concatenate([parts[0], pause, parts[1], pause, parts[2], pause, pause, pause])
-    session = Session("phrases", streaming=StreamingConfig(utterance_phrase_s=phrase_s))
-    session.configure(StreamSettings(finals="utterance"))
-    return _drive_logging_jobs(session, ScriptedEngine(), _frames_of(audio, chunk_s=0.1))
-
-
-def test_utterance_finals_end_a_long_phrase_at_a_pause_that_speech_goes_on_after(
-    speech_dir: Path,
-) -> None:
-    """Once the window holds ``utterance_phrase_s``, the speculative closing decode of a pause
-    that speech goes on after is that phrase's closing decode: its words become final then,
-    all together, and the utterance goes on in the same window with the phrase as its forced
-    prefix, so the words after it are still heard with the audio before them. No turn ends
-    there (no speech_ended, no Settled), no audio is lost, and the first words of a long
-    utterance wait less for their final than with phrases off."""
-    phrase_s = PHRASE_S
-    log = _phrases(speech_dir, phrase_s)
-    items = [item for _, item in log]
-    assert sum(isinstance(e, SpeechEndedMessage) for e in items) == 1
-    early = _open_finals(log)
-    assert early
-    last_job: DecodeJob | None = None
-    phrase_ends: list[DecodeJob] = []
-    for item in items:
-        if isinstance(item, DecodeJob):
-            if phrase_ends and last_job is phrase_ends[-1]:
-                # The next decode: the same window, the phrase's words now its prefix.
-                assert item.start_s == last_job.start_s
-                assert len(item.request.prefix) > len(last_job.request.prefix)
-            last_job = item
-        elif any(item is f for f in early):
-            assert last_job is not None
-            if last_job.speculative:
-                # From the speculative closing decode of a window of the phrase's length.
-                assert last_job.closing and last_job.audio_s >= phrase_s
-                assert item.end <= last_job.start_s + last_job.audio_s
-                phrase_ends.append(last_job)
-            else:
-                # Words of a phrase its closing decode left tentative, on agreement with the
-                # decode after it; or the window went on past half its cap: word by word.
-                assert last_job.audio_s >= UTTERANCE_WINDOW_S / 2 or (
-                    phrase_ends and item.end <= phrase_ends[-1].start_s + phrase_ends[-1].audio_s
-                )
-    assert phrase_ends and early[0].words[0].start < phrase_ends[0].start_s + 1.0
-    settled = [i for i, e in enumerate(items) if isinstance(e, Settled)]
-    ended = next(i for i, e in enumerate(items) if isinstance(e, SpeechEndedMessage))
-    assert settled and min(settled) > ended  # the turn ends at the endpoint only
-    starts = [round(w.start, 2) for e in items if isinstance(e, FinalMessage) for w in e.words]
-    assert starts == sorted(set(starts))  # no word twice
-    done = [e for e in items if isinstance(e, DoneMessage)]
-    _check_accounting(done[0])
-
-    without = _phrases(speech_dir, 0.0)  # the first words wait for the 15 s fallback
-    assert _longest_wait_for_final_s(log) < _longest_wait_for_final_s(without) - 2.0
-
-
-def test_a_phrase_ends_at_a_pause_that_went_by_while_a_decode_was_in_flight(
-    speech_dir: Path,
-) -> None:
-    """Decodes that take 0.9 s of stream time each (a long window on a busy CPU) are in
-    flight through most short pauses (here through the one at 10.7 s, which ends the first
-    phrase); the phrase still ends there, decoded after speech came back."""
-    pause = np.zeros(int(0.45 * SAMPLE_RATE_HZ), dtype=np.float32)
-    parts = [load_clip(speech_dir / f) for f in PHRASE_CLIPS]
-    audio = np.concatenate([parts[0], pause, parts[1], pause, parts[2], pause, pause, pause])
-    session = Session("slow", streaming=StreamingConfig(utterance_phrase_s=PHRASE_S))
-    session.configure(StreamSettings(finals="utterance"))
-    engine = ScriptedEngine()
-    log: list[tuple[int, SessionEvent | DecodeJob]] = []
-    in_flight: tuple[int, DecodeJob] | None = None
-    for fed, frame in enumerate([*_frames_of(audio, chunk_s=0.1), None], start=1):
-        if frame is None:
-            session.end()
-        else:
-            session.feed_audio(frame)
-        while True:
-            if in_flight is not None and (frame is None or fed - in_flight[0] >= 9):
-                session.receive_result(in_flight[1], _decode_now(engine, in_flight[1]))
-                in_flight = None
-            log.extend((fed, e) for e in session.events_to_send())
-            if in_flight is None and not session.busy:
-                job = session.next_job()
-                if job is not None:
-                    log.append((fed, job))
-                    in_flight = (fed, job)
-                    continue
-            if frame is not None or in_flight is None:
-                break
-    late = [
-        (fed, job)
-        for fed, job in log
-        if isinstance(job, DecodeJob)
-        and job.speculative
-        and fed * 0.1 > job.end_sample / 16e3 + 0.3
-    ]
-    assert late  # decoded to a pause well after it was over
-    early = _open_finals(log)
-    assert early
-    assert any(f.end <= job.end_sample / SAMPLE_RATE_HZ for _, job in late for f in early)
-    done = [e for _, e in log if isinstance(e, DoneMessage)]
-    _check_accounting(done[0])
 
 
 SEARCH_CLIP = "librispeech_test-other/3331-159605-0000.wav"  # 13.7 s read without a long pause
@@ -1478,7 +1361,7 @@ def test_no_background_search_where_it_is_off_or_the_lanes_are_busy(
         session.feed_audio(frame)
         while not session.busy and (job := session.next_job()) is not None:
             session.receive_result(job, _decode_now(engine, job))
-        assert session.next_search_job(past_comfort=past_comfort) is None
+        assert session.next_search_job(Load(past_comfort=past_comfort)) is None
 
 
 def test_finals_may_be_chosen_per_stream_and_are_checked() -> None:
@@ -2050,7 +1933,7 @@ def _drive_logging_jobs(
             not session.busy
             and (
                 job := session.next_job(
-                    min_hop_s=min_hop_s, crowded=crowded, past_comfort=past_comfort
+                    Load(min_hop_s=min_hop_s, crowded=crowded, past_comfort=past_comfort)
                 )
             )
             is not None

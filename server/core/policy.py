@@ -8,7 +8,6 @@ that bench/accuracy.py measured, one by one, against offline decoding of the sam
   (Whisper rewrites a word, and the one before it, while the audio after it is short);
 - a window commits nothing before it holds ``min_window_s`` of audio (the first words of an
   utterance decoded from a second of audio are where tiny.en is weakest);
-- a word whose probability is below ``min_word_probability`` waits, and the words after it;
 - a word the newest decode heard ``settled_context_s`` of audio after commits without the
   decode before agreeing on it (nor on the words before it);
 - the closing decode of a window (end of speech, flush, end) commits everything that is left,
@@ -48,14 +47,6 @@ class CommitConfig:
     # cost): 2 s 15.64%, 3 s 15.42%, 4 s 14.75% (offline greedy 14.53%), final p95 1.74 /
     # 1.83 s; partials are shown as fast as before.
     min_window_s: float = 4.0
-    # Two decodes agree only as evidence when they heard different audio: a decode that
-    # ends less than this after the last one that voted is shown (the partial) but does not
-    # vote. On a fast engine decodes come every few hundred ms and agree on the same mistakes:
-    # test-other (bench-accuracy) at half the modelled decode cost, about this machine's real
-    # one, reads 16.09% against 14.64% at the modelled cost. 0.6 s: 13.41%, but final p95
-    # 2.81 s against 1.42 s; 0.45 s: 14.64%, 2.47 s. Off by default: finals within 2 s first.
-    min_agreement_step_s: float = 0.0
-    min_word_probability: float = 0.0  # a word below this waits for a later decode
     # A word the newest decode heard this much audio after commits, and every word before
     # it, even where the decode before read it differently: both heard it whole, and waiting
     # for a third decode holds every word after it. 0: off, as in "words" finals; "utterance"
@@ -69,9 +60,6 @@ class CommitConfig:
     # times, and 3 finals opening with a mark on the long recordings -> 0 (bench/README.md,
     # session 27).
     marks_wait: bool = False
-    # A phrase's closing decode commits what it agrees on with the decode before it only when
-    # that reaches this near the pause (``CommitPolicy.update``).
-    phrase_slack_s: float = 1.0
     past_audio_margin_s: float = 0.06  # closing: a word starting this near the audio end...
     past_audio_min_probability: float = 0.5  # ...and below this probability is dropped
     # Where the server cut the audio inside speech, the words before the cut that the
@@ -91,20 +79,19 @@ class CommitConfig:
                 self.min_window_s,
                 self.past_audio_margin_s,
                 self.cut_squeezed_word_s,
-                self.min_agreement_step_s,
-                self.phrase_slack_s,
                 self.settled_context_s,
             )
             < 0
         ):
             raise ValueError(
                 "min_right_context_s, min_window_s, past_audio_margin_s, "
-                "cut_squeezed_word_s, min_agreement_step_s, phrase_slack_s and "
-                "settled_context_s must be >= 0"
+                "cut_squeezed_word_s and settled_context_s must be >= 0"
             )
-        for name in ("min_word_probability", "past_audio_min_probability"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1]; got {getattr(self, name)}")
+        if not 0.0 <= self.past_audio_min_probability <= 1.0:
+            raise ValueError(
+                "past_audio_min_probability must be in [0, 1]; "
+                f"got {self.past_audio_min_probability}"
+            )
 
 
 class CommitPolicy:
@@ -117,12 +104,10 @@ class CommitPolicy:
     def __init__(self, config: CommitConfig | None = None) -> None:
         self.config = config or CommitConfig()
         self._agreement = LocalAgreement(self.config.agreement_n, marks_wait=self.config.marks_wait)
-        self._voted_end_s: float | None = None  # where the audio of the last voting decode ended
-        self._shown: list[Word] | None = None  # the newest tail, when it did not vote
 
     @property
     def tentative(self) -> list[Word]:
-        return list(self._shown) if self._shown is not None else self._agreement.tentative
+        return self._agreement.tentative
 
     def update(
         self,
@@ -132,47 +117,23 @@ class CommitPolicy:
         window_end_s: float,
         closing: bool,
         cut_in_speech: bool = False,
-        phrase: bool = False,
         settled_context_s: float | None = None,
     ) -> list[Word]:
         """Fold in the newest decode's words after the committed ones, in stream time.
 
         ``window_*_s``: the audio that decode heard. ``closing``: it was the window's last
         decode, so everything it returned is committed. ``cut_in_speech``: the audio ends
-        inside speech, so nothing at its very end was heard. ``phrase``: it was the closing
-        decode of a phrase that speech went on after, so the words it agrees on with the
-        decode before it commit, however short the window or their right context. Not all
-        of it: a beam search that ends at a short pause can read the phrase's last clause
-        twice (367-130732 at 63.8 s: "... yolks of four eggs, one teaspoon full of butter,
-        one half pint of cream, yolk of four eggs"), and a word the two decodes differ on is
-        better decided by a decode that hears what follows. When the two part well before the
-        pause, nothing commits: the phrase's words wait for the utterance's closing decode,
-        rather than a final ending seconds before the pause. ``settled_context_s``: this
+        inside speech, so nothing at its very end was heard. ``settled_context_s``: this
         decode's instead of ``CommitConfig.settled_context_s`` (the rule stays off where that
         is 0).
         """
-        if closing or phrase:
+        if closing:
             tail = self._heard(tail, window_end_s, cut_in_speech=cut_in_speech)
-        elif (
-            self._voted_end_s is not None
-            and window_end_s - self._voted_end_s < self.config.min_agreement_step_s
-        ):
-            self._shown = list(tail)
-            return []
-        self._voted_end_s = window_end_s
-        self._shown = None
-        settled = 0
-        if closing:
-            hold = 0
-        elif phrase:
-            hold = self._phrase_waiting(tail, window_end_s)
-        else:
-            hold = self._waiting(tail, window_start_s, window_end_s)
-            settled = self._settled(tail, window_end_s, settled_context_s)
-        committed = self._agreement.update(tail, hold=hold, at_least=settled)
-        if closing:
-            committed += self._agreement.finalize()
-        return committed
+            committed = self._agreement.update(tail, hold=0, at_least=0)
+            return committed + self._agreement.finalize()
+        hold = self._waiting(tail, window_start_s, window_end_s)
+        settled = self._settled(tail, window_end_s, settled_context_s)
+        return self._agreement.update(tail, hold=hold, at_least=settled)
 
     def _heard(
         self, tail: Sequence[Word], window_end_s: float, *, cut_in_speech: bool
@@ -216,10 +177,7 @@ class CommitPolicy:
         if window_end_s - window_start_s < c.min_window_s:
             return len(tail)
         for k, word in enumerate(tail):
-            if (
-                window_end_s - word.end_s < c.min_right_context_s
-                or word.probability < c.min_word_probability
-            ):
+            if window_end_s - word.end_s < c.min_right_context_s:
                 return len(tail) - k
         return 0
 
@@ -235,15 +193,6 @@ class CommitPolicy:
                 return k
         return len(tail)
 
-    def _phrase_waiting(self, tail: Sequence[Word], window_end_s: float) -> int:
-        """How many words at the end of a phrase's ``tail`` wait: those after its agreement with
-        the decode before it, or all when that agreement ends ``phrase_slack_s`` or more
-        before the pause."""
-        agreed = self._agreement.agreed(tail)
-        if agreed == 0 or window_end_s - tail[agreed - 1].end_s > self.config.phrase_slack_s:
-            return len(tail)
-        return len(tail) - agreed
-
     def finalize(self) -> list[Word]:
         """Commit the tentative words now (the window is given up or force-cut)."""
         shown = self.tentative
@@ -253,5 +202,3 @@ class CommitPolicy:
     def reset(self) -> None:
         """A new window starts: forget every tail without committing."""
         self._agreement.reset()
-        self._voted_end_s = None
-        self._shown = None

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from server.core.engine_api import DecodeResult
+from server.core.planner import Load
 from server.core.session import DecodeJob, Session, SessionEvent, StreamSettings
 from server.core.speakers import EmbedJob
 from server.decode.pipeline import Pipeline
@@ -133,11 +134,7 @@ class StreamDriver:
         self._flush()
         spare = self.pipeline.spare_lane
         if self._decoding is None:
-            job = self.session.next_job(
-                min_hop_s=self.pipeline.stream_hop_s(),
-                crowded=self.pipeline.crowded,
-                past_comfort=self.pipeline.past_comfort,
-            )
+            job = self.session.next_job(self._load(min_hop_s=self.pipeline.stream_hop_s()))
             if job is not None:
                 self._decoding = asyncio.create_task(
                     self._decode(job), name=f"decode-{self.session.session_id}-{job.job_id}"
@@ -150,7 +147,7 @@ class StreamDriver:
         if self._searching is not None and self.session.search_stale:
             self._drop_search(self._searching)
         if self._searching is None and self.pipeline.spare_lane:
-            search = self.session.next_search_job(past_comfort=self.pipeline.past_comfort)
+            search = self.session.next_search_job(self._load())
             if search is not None:
                 self._searching = asyncio.create_task(
                     self._search(search),
@@ -170,9 +167,7 @@ class StreamDriver:
         """Start the utterance's closing decode on the spare lane at once, if it replaces the
         decode in flight (``Session.supersede_job``). Nobody awaits the dropped decode's
         result, and the pipeline stops it on its lane."""
-        job = self.session.supersede_job(
-            crowded=self.pipeline.crowded, past_comfort=self.pipeline.past_comfort
-        )
+        job = self.session.supersede_job(self._load())
         if job is None:
             return
         self._abandon(decoding)
@@ -197,8 +192,14 @@ class StreamDriver:
         task.add_done_callback(self._dropped.discard)
 
     def _refresh_job(self, job: DecodeJob) -> DecodeJob:
-        return self.session.refresh_job(
-            job, crowded=self.pipeline.crowded, past_comfort=self.pipeline.past_comfort
+        return self.session.refresh_job(job, self._load())
+
+    def _load(self, min_hop_s: float = 0.0) -> Load:
+        """The server's load as the session's planner takes it."""
+        return Load(
+            min_hop_s=min_hop_s,
+            crowded=self.pipeline.crowded,
+            past_comfort=self.pipeline.past_comfort,
         )
 
     def catch_up_s(self, job: DecodeJob) -> float:
@@ -218,9 +219,7 @@ class StreamDriver:
         try:
             self._advance()
         except Exception as exc:
-            # A bug in the session, as in ``_decode``: the connection closes with 1011.
-            if not self.outcome.done():
-                self.outcome.set_exception(exc)
+            self._session_failed(exc)
 
     async def _decode(self, job: DecodeJob) -> None:
         try:
@@ -238,11 +237,8 @@ class StreamDriver:
             self._decoding = None
             self._advance()
         except Exception as exc:
-            # A bug in the session: hand it to the connection, whose catch-all logs it and
-            # closes with 1011. Other sessions are not affected.
             self._decoding = None
-            if not self.outcome.done():
-                self.outcome.set_exception(exc)
+            self._session_failed(exc)
 
     async def _search(self, job: DecodeJob) -> None:
         """A background beam search of the open window on a spare lane
@@ -259,8 +255,7 @@ class StreamDriver:
             self.session.receive_search(job, result)
             self._advance()
         except Exception as exc:
-            if not self.outcome.done():  # a bug in the session, as in ``_decode``
-                self.outcome.set_exception(exc)
+            self._session_failed(exc)
 
     async def _embed(self, job: EmbedJob) -> None:
         """The speaker encoder over ``job``'s windows, off the event loop (``Pipeline.embed``);
@@ -276,10 +271,14 @@ class StreamDriver:
             self._embedding = None
             self._advance()
         except Exception as exc:
-            # A bug in the session, as in ``_decode``.
             self._embedding = None
-            if not self.outcome.done():
-                self.outcome.set_exception(exc)
+            self._session_failed(exc)
+
+    def _session_failed(self, exc: Exception) -> None:
+        """A bug in the session: hand it to the connection, whose catch-all logs it and
+        closes with 1011. Other sessions are not affected."""
+        if not self.outcome.done():
+            self.outcome.set_exception(exc)
 
     # -- output ----------------------------------------------------------------------------
     def _flush(self) -> None:
@@ -303,6 +302,8 @@ class StreamDriver:
     def _unregister(self) -> None:
         if self._registered:
             self._registered = False
+            for rule, count in self.session.rule_counts.items():
+                self.pipeline.metrics.rules_fired.inc(count, rule)
             self.pipeline.withdraw(self._take_seat)
             self.pipeline.remove_stream()
 

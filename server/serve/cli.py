@@ -4,7 +4,7 @@
                        [--quantize-bits 4|8] [--min-context-s 3] [--max-batch-size 8]
                        [--batch-wait-ms 5] [--decode-lanes auto] [--min-right-context-s 0.8]
                        [--closing-beam-size 1] [--finals utterance|words]
-                       [--agent-finals words|utterance] [--utterance-phrase-s 0]
+                       [--agent-finals words|utterance]
                        [--utterance-search-s 6]
                        [--utterance-beam-size 5] [--utterance-settled-context-s 1.5]
                        [--no-utterance-cut-inside-commit]
@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import errno
 import functools
+import json
 import logging
 import os
 import ssl
@@ -37,7 +38,13 @@ from collections.abc import Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from server.config import COMFORT_UTILIZATION, PipelineConfig, ServerConfig, StreamingConfig
+from server.config import (
+    COMFORT_UTILIZATION,
+    PipelineConfig,
+    ServerConfig,
+    StreamingConfig,
+    with_setting,
+)
 from server.core.policy import CommitConfig
 from server.core.speakers import SpeakerConfig
 from server.engine.store import DEFAULT_MODEL, available_models
@@ -156,14 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
         "whose turns end when their finals arrive (default %(default)s)",
     )
     streaming.add_argument(
-        "--utterance-phrase-s",
-        type=float,
-        default=StreamingConfig().utterance_phrase_s,
-        help="with 'utterance' finals, a window this long ends a phrase at its last pause that "
-        "speech went on after: the words two decodes agree on up to there become final "
-        "(sooner for some words); 0: only at the end of speech (default %(default)s)",
-    )
-    streaming.add_argument(
         "--utterance-search-s",
         type=float,
         default=StreamingConfig().utterance_search_s,
@@ -200,6 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=StreamingConfig().speculative_closing,
         help="start an utterance's closing decode in the pause, before the endpoint "
         "(default: %(default)s)",
+    )
+    streaming.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=JSON",
+        help="any streaming setting by its dotted name, the value as JSON, e.g. "
+        "rules.stalled_tail.min_voiced_s=2.5, rules.disabled='[\"sentence_cut\"]', "
+        "commit.min_window_s=3 (docs/internals.md lists the rules; repeatable)",
     )
     streaming.add_argument(
         "--speakers",
@@ -324,6 +332,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _with_pair(streaming: StreamingConfig, pair: str) -> StreamingConfig:
+    """``streaming`` with one ``--set FIELD=JSON``. Raises ValueError."""
+    path, sep, raw = pair.partition("=")
+    if not sep or not path:
+        raise ValueError(
+            f"--set takes FIELD=JSON, e.g. rules.stalled_tail.min_voiced_s=2.5; got {pair!r}"
+        )
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--set {path}: the value is not JSON ({exc.msg}): {raw!r}") from None
+    return with_setting(streaming, path, value)
+
+
 def _configure_logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_SessionIdDefault())
@@ -397,7 +419,6 @@ def main(argv: list[str] | None = None) -> int:
             speculative_closing=args.speculative_closing,
             finals=args.finals,
             agent_finals=args.agent_finals,
-            utterance_phrase_s=args.utterance_phrase_s,
             utterance_search_s=args.utterance_search_s,
             utterance_beam_size=args.utterance_beam_size,
             utterance_settled_context_s=args.utterance_settled_context_s,
@@ -405,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
             commit=CommitConfig(min_right_context_s=args.min_right_context_s),
             speakers=SpeakerConfig(enabled=args.speakers),
         )
+        for pair in args.set:
+            streaming = _with_pair(streaming, pair)
         pipeline = pipeline_config(args)
         from server.engine.engine import EngineConfig
 

@@ -1,0 +1,120 @@
+"""The streaming core's rules: each one named, with its own knobs, switchable and counted.
+
+A rule is a decision the core makes beyond "decode the window again and commit what decodes
+agree on": when to decode, where to cut a window, which decoded words to distrust. Each is
+measured on the dev sets with ``make bench-ablation`` (bench/README.md, "Rule ablation"): a
+rule stays only where switching it off costs errors or latency beyond run-to-run noise, or
+where it guards a failure those sets lack (a loop, lost audio), which its audio-free test in
+tests/test_rules.py shows.
+
+``RULES`` names them; ``RulesConfig.disabled`` switches any of them off (``--set
+streaming.rules.disabled=[...]`` on the server and the benchmarks); ``RuleCounts`` counts how
+often each fired (the session's ``rule_counts``, summed on ``/metrics``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# Name -> what the rule does, in one line (the ablation table's rows).
+RULES: Mapping[str, str] = {
+    # decode planning
+    "first_words": "decode at the first-decode cadence until the utterance shows a word",
+    "speculative_closing": "start the closing decode when the silence covers the pad",
+    "supersede": "per utterance: the closing decode replaces a re-decode in flight",
+    "background_search": "per utterance: beam-search the open window on a spare lane",
+    # a decode's words
+    "cut_repeat": "drop the opening words that repeat the words just before a cut",
+    "after_committed": "words aligned before the last final word are moved after it",
+    "skipped_speech": "decode again without the carried words when speech was skipped",
+    "loop_prompt_drop": "no prompt for the window after a decode that looped",
+    # where windows are cut
+    "sentence_cut": "cut after a final word that ends a sentence (or a clause, long windows)",
+    "cut_inside_commit": "per utterance: cut after the last sentence end of a commit",
+    "unheard_tail": "after a closing decode that ended early, decode the rest on its own",
+    "stalled_tail": "cut where re-decodes stop at the final words with speech after them",
+    "window_cap": "a window past its cap is cut at its last final word",
+}
+
+
+@dataclass(frozen=True)
+class FirstWordsConfig:
+    # An utterance without words after this much audio decodes at the usual cadence.
+    window_s: float = 3.0
+
+
+@dataclass(frozen=True)
+class CutRepeatConfig:
+    max_words: int = 3  # the longest repeat of the pre-cut words looked for
+    # ... among words starting within this of the window's start
+    within_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class SkippedSpeechConfig:
+    # Voiced audio between the carried words and the first word after them that means the
+    # decoder skipped speech.
+    min_voiced_s: float = 0.8
+    # How far into the decode without the carried words that first word is looked for: found
+    # after others, that decode heard more.
+    heard_more_words: int = 10
+
+
+@dataclass(frozen=True)
+class UnheardTailConfig:
+    # Speech left after a closing decode's last word that is decoded again as its own window.
+    min_tail_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class StalledTailConfig:
+    # Voiced audio after the final words that a re-decode ended its text before.
+    min_voiced_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class RulesConfig:
+    """The rules' own knobs, and which are off (names from ``RULES``)."""
+
+    disabled: tuple[str, ...] = ()
+    first_words: FirstWordsConfig = field(default_factory=FirstWordsConfig)
+    cut_repeat: CutRepeatConfig = field(default_factory=CutRepeatConfig)
+    skipped_speech: SkippedSpeechConfig = field(default_factory=SkippedSpeechConfig)
+    unheard_tail: UnheardTailConfig = field(default_factory=UnheardTailConfig)
+    stalled_tail: StalledTailConfig = field(default_factory=StalledTailConfig)
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.disabled if name not in RULES]
+        if unknown:
+            raise ValueError(
+                f"unknown rule(s) {', '.join(unknown)}; the rules are {', '.join(RULES)}"
+            )
+        checks = (
+            ("first_words.window_s", self.first_words.window_s),
+            ("cut_repeat.within_s", self.cut_repeat.within_s),
+            ("skipped_speech.min_voiced_s", self.skipped_speech.min_voiced_s),
+            ("unheard_tail.min_tail_s", self.unheard_tail.min_tail_s),
+            ("stalled_tail.min_voiced_s", self.stalled_tail.min_voiced_s),
+        )
+        for name, value in checks:
+            if value < 0:
+                raise ValueError(f"rules.{name} must be >= 0; got {value}")
+        if self.cut_repeat.max_words < 0 or self.skipped_speech.heard_more_words < 2:
+            raise ValueError(
+                "rules.cut_repeat.max_words must be >= 0 and "
+                "rules.skipped_speech.heard_more_words >= 2"
+            )
+
+    def on(self, name: str) -> bool:
+        """Whether rule ``name`` applies (it is not disabled)."""
+        return name not in self.disabled
+
+
+class RuleCounts(Counter[str]):
+    """How often each rule fired in one session (and, summed, on a server)."""
+
+    def fired(self, name: str) -> None:
+        assert name in RULES or name.startswith("final:"), name
+        self[name] += 1
