@@ -34,7 +34,6 @@ from collections import deque
 
 from server.config import StreamingConfig, VadConfig
 from server.core.agreement import Word
-from server.core.buffer import SampleBuffer
 from server.core.cuts import (
     Cut,
     cut_point,
@@ -44,9 +43,10 @@ from server.core.cuts import (
     stalled_tail_cut,
     unheard_tail_cut,
 )
-from server.core.emitter import Clock, Emitter, SessionEvent, Settled
+from server.core.emitter import Clock, SessionEvent, Settled
 from server.core.engine_api import DecodeResult, StopReason
 from server.core.finals import finals_for
+from server.core.ingest import AudioIngest
 from server.core.jobs import DecodeJob, Float32Array, basis_of
 from server.core.language import LanguageTracker
 from server.core.planner import IDLE, DecodePlanner, Load
@@ -61,7 +61,6 @@ from server.core.searches import (
 )
 from server.core.settings import (
     END_OF_SPEECH_MS_RANGE,
-    IDLE_KEEP_S,
     MAX_SPEECH_PAD_MS,
     StreamSettings,
     nearest_end_of_speech_ms,
@@ -70,9 +69,9 @@ from server.core.settings import (
 )
 from server.core.speakers import EmbedJob, SpeakerTracker
 from server.core.tail import tail_words
+from server.core.transcript import Language, Transcript
 from server.core.utterance import UnforcedRetry, Utterance
-from server.core.vad import SpeechEnded, SpeechStarted, VadSegmenter
-from server.protocol.audio import PcmDecoder
+from server.core.vad import SpeechEnded, SpeechStarted
 from server.protocol.errors import ProtocolError
 from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
 from server.protocol.messages import ErrorMessage, SpeechEndedMessage, SpeechStartedMessage
@@ -116,19 +115,16 @@ class Session:
         self.log = logging.LoggerAdapter(logger, {"session_id": session_id})
         self.rule_counts = RuleCounts()
         self._detector: LanguageTracker | None = None
+        self._text = Transcript(self._server_streaming, self.rule_counts, self.log)
         self._settings = StreamSettings(
             audio_format=audio_format or AudioFormat(),
             language=self._server_streaming.language,
             task=self._server_streaming.task,
         )
         self._apply_settings(self._settings)
-        self._buffer = SampleBuffer()
-        self._emit = Emitter()
         self._embedding: EmbedJob | None = None  # the speaker encoder's job in flight
         self._next_embed_id = 0
         self._utterances: deque[Utterance] = deque()
-        self._prompt: list[int] = []
-        self._prompt_ok = True  # False after a decode that looped (rule loop_prompt_drop)
         self._unsettled = False  # speech was closed and a Settled is owed for it
         self._next_job_id = 0
         self._in_flight: DecodeJob | None = None
@@ -140,12 +136,12 @@ class Session:
     # -- properties ----------------------------------------------------------------------
     @property
     def audio_received_s(self) -> float:
-        return self._pcm.seconds_in
+        return self._audio.seconds_in
 
     @property
     def done(self) -> bool:
         """True once ``end`` was processed, every word finalised and ``done`` emitted."""
-        return self._done and not self._emit.waiting_for_labels
+        return self._done and not self._text.emit.waiting_for_labels
 
     @property
     def labels_speakers(self) -> bool:
@@ -190,7 +186,7 @@ class Session:
         counts as not covered): how far this stream's text is behind its audio."""
         behind = 0
         for utt in self._utterances:
-            end = utt.end if utt.end is not None else self._buffer.end
+            end = utt.end if utt.end is not None else self._audio.end
             behind += max(0, end - max(utt.heard_to, utt.window_start))
         return behind / SAMPLE_RATE_HZ
 
@@ -217,10 +213,12 @@ class Session:
         self.streaming, self.vad_config = stream_configs(
             self._settings, self._server_streaming, self._server_vad
         )
-        self._pcm = PcmDecoder(
-            self._settings.audio_format, max_frame_bytes=self.streaming.max_frame_bytes
-        )
-        self._vad = VadSegmenter(self.vad_config)
+        audio_format, limit = self._settings.audio_format, self.streaming.max_frame_bytes
+        if not hasattr(self, "_audio"):
+            self._audio = AudioIngest(audio_format, self.vad_config, max_frame_bytes=limit)
+        else:
+            self._audio.configure(audio_format, self.vad_config, max_frame_bytes=limit)
+        self._text.streaming = self.streaming
         self._detector = None
         wanted = self._settings.speakers
         if wanted is None:
@@ -233,16 +231,16 @@ class Session:
         """Accept audio bytes in the stream's format. Raises a StreamError subclass."""
         if self._ended:
             raise ProtocolError("audio after end", close_code=1008)
-        samples = self._pcm.decode(data)
+        events = self._audio.receive(data)
         self._audio_started = self._audio_started or len(data) > 0
-        self._ingest(samples)
+        self._on_audio(events)
 
     def flush(self) -> None:
         """Close the speech heard so far: its words all become final (then ``Settled``), and
         speech still going on goes on in a new utterance. Raises ProtocolError after ``end``."""
         if self._ended:
             raise ProtocolError("flush after end")
-        self._close_open_utterance(self._buffer.end, reopen=self._vad.in_speech)
+        self._close_open_utterance(self._audio.end, reopen=self._audio.vad.in_speech)
         self._unsettled = True
         self._settle_if_closed_finished()
 
@@ -255,8 +253,8 @@ class Session:
         commits nothing placed at the audio's very end, where no audio is under a word."""
         if self._ended:
             raise ProtocolError("end sent twice")
-        self._ingest(self._pcm.flush())
-        in_speech = self._vad.in_speech and self._vad.tentative_end is None
+        self._on_audio(self._audio.finish_decoding())
+        in_speech = self._audio.vad.in_speech and self._audio.vad.tentative_end is None
         if by_server and self._utterances and in_speech:
             self._utterances[-1].cut_in_speech = True
         # A stream that ends in a pause after speech: with a beam-searched closing decode the
@@ -265,9 +263,9 @@ class Session:
         # closing decode of the rest is cheap and hears the audio to the end, which reads
         # better.
         at_pause = self.streaming.closing_beam_size > 1
-        for event in self._vad.flush(at_pause=at_pause):
+        for event in self._audio.finish_speech(at_pause=at_pause):
             self._on_vad(event)
-        self._close_open_utterance(self._buffer.end, reopen=False)
+        self._close_open_utterance(self._audio.end, reopen=False)
         # Ended only now: the flush can release a speculative closing decode that finishes
         # the last utterance, and ``done`` must not go out before the ``Settled`` owed here.
         self._ended = True
@@ -275,21 +273,19 @@ class Session:
         self._settle_if_closed_finished()
         self._maybe_done()
 
-    def _ingest(self, samples: Float32Array) -> None:
-        if samples.size:
-            self._buffer.append(samples)
-            for event in self._vad.receive(samples):
-                self._on_vad(event)
+    def _on_audio(self, events: list[SpeechStarted | SpeechEnded]) -> None:
+        for event in events:
+            self._on_vad(event)
         self._trim()
 
     def _on_vad(self, event: SpeechStarted | SpeechEnded) -> None:
         now_s = self.audio_received_s
         if isinstance(event, SpeechStarted):
-            start = max(event.start_sample, self._buffer.start)
+            start = max(event.start_sample, self._audio.buffer.start)
             self._open_utterance(start)
-            self._emit.add(SpeechStartedMessage(start / SAMPLE_RATE_HZ, now_s))
+            self._text.emit.add(SpeechStartedMessage(start / SAMPLE_RATE_HZ, now_s))
         else:
-            self._emit.add(SpeechEndedMessage(event.end_sample / SAMPLE_RATE_HZ, now_s))
+            self._text.emit.add(SpeechEndedMessage(event.end_sample / SAMPLE_RATE_HZ, now_s))
             self._close_open_utterance(event.end_sample, reopen=False)
             self._unsettled = True
             if self._utterances and self._utterances[0].speculation is not None:
@@ -314,7 +310,7 @@ class Session:
         if self._utterances and self._utterances[-1].end is None:
             utt = self._utterances[-1]
             utt.end = max(end, utt.window_start)
-            self._emit.account.speech += utt.end - utt.start
+            self._text.emit.account.speech += utt.end - utt.start
             if self._speakers is not None:
                 self._speakers.close_utterance(utt.end)
             if reopen:
@@ -324,13 +320,12 @@ class Session:
         if self._utterances:
             keep_from = self._utterances[0].window_start
         else:
-            keep_from = self._buffer.end - int(IDLE_KEEP_S * SAMPLE_RATE_HZ)
+            keep_from = self._audio.idle_keep_from
         if self._speakers is not None:
             needed = self._speakers.keep_from()
             if needed is not None:
                 keep_from = min(keep_from, needed)
-        self._buffer.trim(keep_from)
-        self._vad.forget_before(keep_from)
+        self._audio.trim(keep_from)
 
     # -- speaker jobs ----------------------------------------------------------------------
     def next_speaker_job(self) -> EmbedJob | None:
@@ -338,15 +333,15 @@ class Session:
         one in flight, or no speaker labels on this stream."""
         if self._speakers is None or self._embedding is not None:
             return None
-        planned = self._speakers.plan(self._buffer.end)
+        planned = self._speakers.plan(self._audio.end)
         if planned is None:
             return None
         start, end, starts = planned
-        start = max(start, self._buffer.start)
+        start = max(start, self._audio.buffer.start)
         job = EmbedJob(
             session_id=self.session_id,
             job_id=self._next_embed_id,
-            audio=self._buffer.slice(start, min(end, self._buffer.end)),
+            audio=self._audio.slice(start, min(end, self._audio.end)),
             start=start,
             starts=tuple(s - start for s in starts),
         )
@@ -375,7 +370,10 @@ class Session:
             if utt.agreed is not None:
                 self._hold_agreed(utt)
             if utt.speculation is not None:
-                if utt.end is None and self._vad.tentative_end == utt.speculation[0].end_sample:
+                if (
+                    utt.end is None
+                    and self._audio.vad.tentative_end == utt.speculation[0].end_sample
+                ):
                     return None  # the silence goes on: the endpoint decides
                 self._release_speculation(utt)
                 continue
@@ -384,7 +382,7 @@ class Session:
                 utt.speculated_to = speculative
                 self.rule_counts.fired("speculative_closing")
                 return self._dispatch(utt, speculative, closing=True, load=load, speculative=True)
-            end = utt.end if utt.end is not None else self._buffer.end
+            end = utt.end if utt.end is not None else self._audio.end
             if utt.end is None and not self._planner.due(utt, end, load):
                 return None
             end, closing = self._within_cap(utt, end, load.crowded)
@@ -403,7 +401,7 @@ class Session:
         if end <= self._planner.window_cap(utt, crowded):
             return end, closing
         self._cut_at_cap(utt, self._planner.window_cap(utt, crowded))
-        end = utt.end if closing and utt.end is not None else self._buffer.end
+        end = utt.end if closing and utt.end is not None else self._audio.end
         end = min(end, self._planner.window_cap(utt, crowded))
         return end, closing and end == utt.end
 
@@ -428,10 +426,10 @@ class Session:
         past_comfort: bool,
         speculative: bool = False,
     ) -> DecodeJob:
-        prompt = tuple(self._prompt[-self.streaming.prompt_max_tokens :]) if self._prompt_ok else ()
+        prompt = self._text.prompt
         return self._planner.job(
             utt,
-            self._buffer.slice(utt.window_start, end),
+            self._audio.slice(utt.window_start, end),
             self._planner.options(utt, self._detecting, self._settings.task, closing=closing),
             prompt,
             session_id=self.session_id,
@@ -443,7 +441,7 @@ class Session:
 
     def _speculative_end(self, utt: Utterance, crowded: bool) -> int | None:
         return self._planner.speculative_end(
-            utt, self._vad.tentative_end, len(self._utterances), crowded
+            utt, self._audio.vad.tentative_end, len(self._utterances), crowded
         )
 
     def supersede_job(self, load: Load = IDLE) -> DecodeJob | None:
@@ -507,10 +505,10 @@ class Session:
             return job
         utt = self._utterances[0]
         cap = self._planner.window_cap(utt, load.crowded)
-        end = min(utt.end if utt.end is not None else self._buffer.end, cap)
+        end = min(utt.end if utt.end is not None else self._audio.end, cap)
         if end <= utt.decoded_to:
             return job
-        audio = self._buffer.slice(utt.window_start, end)
+        audio = self._audio.slice(utt.window_start, end)
         closing = end == utt.end
         options = self._planner.options(utt, self._detecting, self._settings.task, closing=closing)
         fresh = dataclasses.replace(
@@ -538,9 +536,9 @@ class Session:
         ):
             return None
         utt = self._utterances[0]
-        end = self._buffer.end
+        end = self._audio.end
         if not search_due(
-            utt, end, self._vad.tentative_end, self.streaming
+            utt, end, self._audio.vad.tentative_end, self.streaming
         ) or not self._planner.fits(utt, end, crowded=False):
             return None
         job = dataclasses.replace(
@@ -624,7 +622,7 @@ class Session:
         utt = self._utterances[0]
         overtaken = job.speculative and utt.end != job.end_sample
         if overtaken:
-            if utt.end is None and self._vad.tentative_end == job.end_sample:
+            if utt.end is None and self._audio.vad.tentative_end == job.end_sample:
                 utt.speculation = (job, result)  # the endpoint may still come there
                 return
             job = dataclasses.replace(job, closing=False, speculative=False)
@@ -638,12 +636,9 @@ class Session:
             self._maybe_done()
             return
         job, result, tail = chosen
-        if result.stop_reason in (StopReason.REPETITION, StopReason.COMPRESSION):
-            if self.streaming.rules.on("loop_prompt_drop"):
-                self._prompt_ok = False
-                self.rule_counts.fired("loop_prompt_drop")
-        else:
-            self._prompt_ok = True
+        self._text.decoded(
+            looped=result.stop_reason in (StopReason.REPETITION, StopReason.COMPRESSION)
+        )
         utt.draft = result.sequence
         self._fold_in(utt, job, tail, overtaken=overtaken)
         self._maybe_done()
@@ -689,7 +684,7 @@ class Session:
             return
         cut = None
         if self._on("stalled_tail"):
-            cut = stalled_tail_cut(utt, job, tail, self._vad.voiced_s, self.streaming)
+            cut = stalled_tail_cut(utt, job, tail, self._audio.vad.voiced_s, self.streaming)
             if cut is not None:
                 self.log.info("decode ended at the final words with speech after them: cut")
         if cut is None and self._on("sentence_cut"):
@@ -715,7 +710,7 @@ class Session:
             return job, result, tail
         if not self._on("skipped_speech"):
             return job, result, tail
-        skipped = skipped_speech_s(utt, job, tail, self._vad.voiced_s, self.streaming)
+        skipped = skipped_speech_s(utt, job, tail, self._audio.vad.voiced_s, self.streaming)
         if skipped is None:
             return job, result, tail
         self.log.info(
@@ -735,7 +730,7 @@ class Session:
         if self._in_flight is None or job.job_id != self._in_flight.job_id:
             return
         job, self._in_flight = self._in_flight, None  # as last refreshed
-        self._emit.add(
+        self._text.emit.add(
             ErrorMessage("decode_failed", f"decoding failed: {error}", False, self.audio_received_s)
         )
         utt = self._utterances[0]
@@ -787,7 +782,7 @@ class Session:
                 job.audio_s,
             )
             # Earlier text in another language would pull the decoder towards it.
-            self._prompt = []
+            self._text.forget_prompt()
         if result.language == decision.language:
             return True
         utt.draft = ()
@@ -801,25 +796,21 @@ class Session:
 
     # -- finals and partials ---------------------------------------------------------------
     def _commit(self, utt: Utterance, words: list[Word], *, why: str, hold: bool = False) -> None:
-        """Every word that becomes final passes here: record it on the window and send it as a
-        final, after the words held back before it. ``why``: the path that made it final
-        (counted as ``final:WHY``). ``hold``: keep it back too (``Utterance.unsent``)."""
-        if words:
-            self.rule_counts.fired(f"final:{why}")
-        utt.add_committed(words)
-        words = utt.unsent + words
-        if hold:
-            utt.unsent = words
-            return
-        utt.unsent = []
-        self._emit.final(
-            words, self._clock(), self._language_fields(utt), labelled=self._speakers is not None
+        """Make ``words`` final (``Transcript.commit``): ``why`` names the path."""
+        self._text.commit(
+            utt,
+            words,
+            why=why,
+            clock=self._clock(),
+            language=self._language_fields(utt),
+            labelled=self._speakers is not None,
+            hold=hold,
         )
 
     def _clock(self) -> Clock:
         return Clock(self.audio_received_s, self.lag_s)
 
-    def _language_fields(self, utt: Utterance) -> tuple[str | None, float | None]:
+    def _language_fields(self, utt: Utterance) -> Language:
         """``language`` and ``language_probability`` of a decided utterance's messages."""
         if self._detector is None or utt.language is None:
             return None, None
@@ -828,55 +819,21 @@ class Session:
     def _emit_partial(
         self, utt: Utterance, guess: str | None = None, detected: tuple[str, float] | None = None
     ) -> None:
-        """Send the utterance's tentative words when they changed. ``guess``, ``detected``: an
+        """Show the utterance's tentative words when they changed. ``guess``, ``detected``: an
         undecided utterance's decode language and the detector's guess (its probability is
         reported when the two agree)."""
         provisional = utt.language is None
         if provisional:
             probability = detected[1] if detected and detected[0] == guess else None
-            language: tuple[str | None, float | None] = (guess, probability)
+            language: Language = (guess, probability)
         else:
             language = self._language_fields(utt)
-        # Held words are final at the utterance's end: shown until then.
-        self._emit.partial(
-            utt.unsent + utt.tentative,
-            utt.window_start / SAMPLE_RATE_HZ,
-            self._clock(),
-            language,
-            provisional=provisional,
-        )
+        self._text.partial(utt, self._clock(), language, provisional=provisional)
 
     # -- cuts ------------------------------------------------------------------------------
     def _cut(self, utt: Utterance, cut: Cut) -> None:
-        """Start a new window at ``cut.at``; final text of the old one becomes the prompt, and
-        its last ``cut.carry`` final words are the new window's forced prefix (final already,
-        not sent again)."""
-        self.rule_counts.fired(cut.rule)
-        self._release_to_prompt(utt)
-        start = max(utt.window_start, min(cut.at, utt.end if utt.end is not None else cut.at))
-        heard = max(utt.window_start, min(start, utt.heard_to))
-        self._emit.account.transcribed += heard - utt.window_start
-        if start > heard:
-            # A cut past what the engine heard skips audio; callers cut at heard_to at most.
-            self.log.error("cut at %d skipped %d samples never decoded", start, start - heard)
-            self._emit.account.failed += start - heard
-        utt.window_start = start
-        utt.decoded_to = max(utt.decoded_to, utt.window_start)
-        utt.heard_to = max(utt.heard_to, utt.window_start)
-        # The words a repeat after the cut is checked against (``tail.py``; the last of them
-        # is also where the new window's words may start at the earliest).
-        utt.before_cut = utt.committed[-max(1, self.streaming.rules.cut_repeat.max_words) :]
-        kept = utt.committed[len(utt.committed) - cut.carry :] if cut.carry else []
-        utt.carry(kept)
-        utt.forget_decodes()
+        self._text.cut(utt, cut)
         self._trim()
-
-    def _release_to_prompt(self, utt: Utterance) -> None:
-        """The window's final tokens become context for the windows after it (those a cut
-        carried into this window are there already)."""
-        self._prompt.extend(utt.committed_tokens[utt.prompted_tokens :])
-        self._prompt = self._prompt[-self.streaming.prompt_max_tokens * 2 :]
-        utt.prompted_tokens = len(utt.committed_tokens)
 
     def _cut_at_cap(self, utt: Utterance, limit: int) -> None:
         """Rule ``window_cap``: the window outgrew its cap: cut at the last final word, or make
@@ -922,15 +879,11 @@ class Session:
     # -- retiring utterances ---------------------------------------------------------------
     def _finish_utterance_if_closed(self, utt: Utterance, *, decoded: bool) -> None:
         """Retire a closed utterance. ``decoded``: its last window was decoded to the end (else
-        it is given up after decode failures, and only what was heard counts as transcribed)."""
+        it is given up after decode failures)."""
         if utt.end is None:
             return
         self._commit(utt, [], why="closing")  # whatever path retires it, no held word stays
-        heard = utt.end if decoded else max(utt.window_start, min(utt.heard_to, utt.end))
-        self._emit.account.transcribed += heard - utt.window_start
-        self._emit.account.failed += utt.end - heard
-        self._release_to_prompt(utt)
-        self._emit.clear_partial(utt.end / SAMPLE_RATE_HZ, self.audio_received_s)
+        self._text.retire(utt, decoded=decoded, audio_received_s=self.audio_received_s)
         self._utterances.popleft()
         self._settle_if_closed_finished()
         self._trim()
@@ -940,12 +893,12 @@ class Session:
         order; only the last one may still be open)."""
         if self._unsettled and (not self._utterances or self._utterances[0].end is None):
             self._unsettled = False
-            self._emit.add(Settled(self.audio_received_s))
+            self._text.emit.add(Settled(self.audio_received_s))
 
     def _maybe_done(self) -> None:
         if self._ended and not self._done and not self._utterances and self._in_flight is None:
             self._done = True
-            self._emit.done(self.audio_received_s, self._buffer.end)
+            self._text.emit.done(self.audio_received_s, self._audio.end)
 
     # -- output --------------------------------------------------------------------------
     def events_to_send(self) -> list[SessionEvent]:
@@ -956,4 +909,4 @@ class Session:
         all_heard = (
             tracker is not None and self._ended and self._embedding is None and tracker.all_planned
         )
-        return self._emit.take(tracker, all_heard=all_heard)
+        return self._text.emit.take(tracker, all_heard=all_heard)
