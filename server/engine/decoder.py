@@ -174,12 +174,9 @@ def _loose_copy_start(keys: list[str], min_words: int) -> int | None:
     """Where an ending of at least ``min_words`` words starts that reads the words just
     before it again with a word or two changed (one edit per five words, at least one): a
     beam search at the end of the audio reads the last sentence again, and length
-    normalisation ranks the longer text first. Seen: "... in the domonica. It was followed
-    when it was prepared in the domonica." (test-other 367-130732-0005, 15 errors, 5
-    without); "The latter traditions tend to extend the period. The later traditions tend to
-    extend the period." and "... disagree regarding the derates of the sojourn in Egypt. The
-    biblical narratives apparently disagreeing the derates of the sojourn in Egypt." (an
-    utterance's closing beam search on test-other 2609 long)."""
+    normalisation ranks the longer text first. Seen on hard speech, where the closing beam
+    search of an utterance read its last sentence a second time with a word or two changed,
+    tripling the errors of that clip."""
     return next((start for start, _ in _loose_copies(keys, min_words)), None)
 
 
@@ -207,10 +204,9 @@ def crammed_copy_start(words: tuple[WordTiming, ...], min_words: int) -> int | N
     """The index in ``words`` where an ending starts that reads the words just before it
     again, loosely (``_loose_copies``), in under ``CRAMMED_COPY_SHARE`` of the time they
     took: the audio had no room for it. None when there is none. Seen on a stream's last
-    1.4 s (test-other 2609-156975-0004, "give of the period" after a prompt ending "Egyptian"):
-    "Gives as a period. Give as a period.", the second copy aligned to 17.76-18.10 s, the
-    first to 16.72-17.76 s. Phrases said twice take about as long each time; too short to
-    count under ``_loose_copy_start``'s length, this one is told by its time."""
+    second and a half: a short phrase read twice, the second copy aligned to a third of
+    the time of the first. Phrases said twice take about as long each time; too short to
+    count under ``_loose_copy_start``'s length, such a copy is told by its time."""
     spoken = [i for i, w in enumerate(words) if normalize_word(w.word)]
     keys = [normalize_word(words[i].word) for i in spoken]
 
