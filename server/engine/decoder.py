@@ -332,9 +332,8 @@ class StreamingDecoder:
         on_cpu = mx.default_device() == mx.cpu
         self._projection = model.decoder.projection_array() if on_cpu else None
         # Token steps in numpy (see ``cpu_step``), where the CPU kernels are on: it computes
-        # GELU as they do. A decode call of 4 s windows of real speech on our 2-core CPU
-        # (bench-decoder's 2 s window 236 ms): 1 row 186 ms against 276 on MLX, 4 rows 707
-        # against 1105, 8 rows 1070 against 1593; 8 rows of 10 s 2519 against 4393.
+        # GELU as they do, and a decode call takes about two thirds of its time on MLX, for
+        # one row or eight (bench/README.md, "Where the defaults come from").
         cpu = on_cpu and model.encoder.cpu_kernels_enabled
         self._cpu_step = CpuTokenStep.for_decoder(model.decoder, self._projection) if cpu else None
 
