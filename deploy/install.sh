@@ -26,7 +26,7 @@ test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
 # lightning-whisper-mlx goes in a second, --no-deps step: its metadata pins torch,
-# tiktoken==0.3.3, numba, scipy and huggingface-hub, none of which we run (README explains).
+# tiktoken==0.3.3, numba, scipy and huggingface-hub, none of which we run (docs/internals.md).
 "$VENV/bin/python" -m pip install -q --no-deps 'lightning-whisper-mlx==0.0.10'
 # resemblyzer (the speaker encoder behind --speakers) likewise: its metadata requires torch,
 # librosa and scipy; we read only its trained weights, pretrained.pt, without torch

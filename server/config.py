@@ -88,25 +88,24 @@ class StreamingConfig:
     first_decode_ms: int = 200  # decode cadence of an utterance until it shows its first word
     max_window_s: float = 15.0  # cut the window at a committed boundary beyond this
     # The cap instead while streams outnumber decode lanes, so that each stream's decodes stay
-    # short. bench-accuracy, one stream (modelled cost), long recordings: 10 s windows 9.22%
-    # against 8.67% at 15 s, final p95 1.65 against 1.88 s; short clips unchanged.
+    # short: shorter windows cost long recordings a little accuracy and bring their finals
+    # sooner, and leave short clips as they were.
     crowded_max_window_s: float = 10.0
     sentence_cut_s: float = 2.0  # cut the window after a committed sentence end past this
     # Past this, also cut after a committed comma, colon or semicolon. At max_window_s: clause
-    # cuts lost words whose end the alignment put too late (bench-accuracy: 0.65 points).
+    # cuts made earlier lost words whose end the alignment put too late.
     clause_cut_s: float = 15.0
     # Committed words a cut keeps at the head of the new window, heard again as its forced
-    # prefix (session._cut_point). LJ long errors, modelled cost: 0 words 46, 1 word 40,
-    # 2 words 33, 3 words 37; sonnets 48, 47, 46, -.
+    # prefix (``server.core.cuts.cut_point``), so that the new window's first words are read
+    # with the speech before them; two made the fewest errors at cuts.
     cut_carry_words: int = 2
     prompt_max_tokens: int = 64  # committed text fed back as context, most recent first
     # Beam width of a window's closing decode (end of speech, flush, end), which commits all
     # that is left of it; 1: greedy. Run greedy past the comfortable estimate
     # (``Pipeline.past_comfort``).
-    # Greedy by default: on test-other (bench-accuracy, 40 clips, modelled cost) beam 5 gave
-    # 15.42% against 14.64% greedy (min_window_s 4, short speech joined): on the few tokens
-    # of a tail, Whisper's length normalisation favours splitting a word into likelier pieces
-    # ("Patience is" -> "paints and it's as") and a word past the end ("... it. Layton").
+    # Greedy by default: on the few tokens of a tail, Whisper's length normalisation favours
+    # splitting a word into likelier pieces and adding a word past the end of the audio, so
+    # a beam search there made more errors than greedy decoding on hard speech.
     closing_beam_size: int = 1
     # Start the closing decode once the silence after speech covers the trailing pad
     # (``speech_pad_ms``), before the endpoint (``speech_end_silence_ms``): when the endpoint
@@ -118,8 +117,8 @@ class StreamingConfig:
     # together when it ends, from a beam search over the whole utterance, while partials come
     # as fast as ever. "words": each word becomes final once decodes agree on it with
     # ``commit``'s right context (finals about 2 s after the word). Per utterance by default:
-    # on test-other (40 clips) served finals read 12.96% against 16.20% word by word, and
-    # 12.40% for offline beam 5 (bench/README.md, "Finals per utterance").
+    # its finals make clearly fewer errors than word by word, near an offline beam search of
+    # the whole recording (bench/README.md, "Finals per utterance").
     finals: str = "utterance"
     # The finals of the voice-agent streams (Deepgram's /v1/listen, OpenAI's Realtime): an
     # agent answers a turn when its final arrives, so they take the fast finals.
@@ -130,30 +129,22 @@ class StreamingConfig:
     # In "utterance" finals, ``CommitConfig.settled_context_s``: past half the window, a word
     # with this much audio after it commits even where the decode before read it otherwise.
     # Without it a long utterance's first final held only the words before the decodes'
-    # first difference (LJ long at four streams: "concerned" against "concern" 4 s into a
-    # 16 s window made a final 12 s after its last word; test-other 3331-159605-0008: 14.9 s).
-    # bench-accuracy, test-other at modelled cost, short clips / long recordings (errors of
-    # 895 words each, final p95): off 115 / 126, 3.76 / 3.77 s; 3 s 116 / 123, 3.76 / 3.99 s;
-    # 1.5 s 116 / 123, 2.80 / 2.93 s; 1.0 s 114 / 126, 2.52 / 2.65 s; LJ long off and 1.5 s
-    # both 35 errors. Not in "words" finals: there 1.5 s read 139 / 135 against 131 / 137 off.
+    # first difference: one word read two ways early in a long window (an ending dropped)
+    # held every word after it for many seconds. With it finals come about a second sooner
+    # at the 95th percentile, for about the same errors. Not in "words" finals: there it
+    # made more errors.
     utterance_settled_context_s: float = 1.5
     # The same, for a decode that started while more streams were open than the capacity
     # estimate: each stream's decodes come further apart then, and the settled context plus
-    # that wait made the long utterances' word-by-word finals the p95 (bench-capacity, eight
-    # streams on two cores, final p95: 1.5 s 2.28-2.73 s, median 2.48 s; 1.0 s 2.07-2.64 s,
-    # median 2.21 s; session 31, runs interleaved on one machine: 1.0 s 2.02-2.11 s, median
-    # 2.10 s, 0.8 s 1.82-1.97 s, median 1.89 s; WER 11.4-11.8% in every run).
-    # Not the default within the estimate: one stream at modelled cost, 1.0 s read test-other
-    # 113 / 127 errors against 115 / 129, but LJ long 36 against 34.
+    # that wait made the long utterances' word-by-word finals the slowest; a shorter one
+    # keeps them within 2 s at the same accuracy. Not the default within the estimate: there
+    # a shorter one read no better (fewer errors on one set of recordings, more on another).
     utterance_busy_settled_context_s: float = 0.8
     # In "utterance" finals, a commit cuts the window after the last sentence end in it (or
     # clause end, past ``clause_cut_s``), not only when its last word ends one: the
-    # word-by-word decodes past half the window then hear seconds, not 15-30 s (served, a
-    # decode of 17-22 s cost 0.6 s on a 2-core CPU, most of it the encoder). bench-capacity,
-    # four streams 40 s (2 s window 119-124 ms): final p95 1.72 / 1.81 s on, 2.40 / 2.18 s
-    # off, WER 14.5% both.
-    # bench-accuracy at modelled cost, errors on: test-other short 115 (116 off), long 129
-    # (123), final p95 2.78 / 2.47 s (2.78 / 2.93); LJ long 34 (35); sonnets 48 (48).
+    # word-by-word decodes past half the window then hear seconds, not 15-30 s (a long
+    # window's decode is dear on a CPU, most of it the encoder). With several streams their
+    # finals come sooner at the same accuracy; a stream alone reads about as well.
     utterance_cut_inside_commit: bool = True
     # In "utterance" finals, a stream with a decode lane to spare (fewer streams than lanes)
     # beam-searches its open window in the background once the utterance holds this much
@@ -161,17 +152,15 @@ class StreamingConfig:
     # such searches of one window agree on, with ``commit.settled_context_s`` of audio after
     # them, become the utterance's held words (final with the rest of it at its end) and the
     # window is cut before their last ``utterance_search_context_s``: the closing decode then
-    # hears the tail, not the whole utterance, whose beam search took 1-2 s after a 10-16 s
-    # utterance on a 2-core CPU. bench-served, test-other at one stream on two lanes: 108
-    # and 110 errors against 115 off, end of speech to final p95 1.12-1.16 s against 1.90 s
+    # hears the tail, not the whole utterance, whose beam search takes seconds after a long
+    # utterance on a CPU. Fewer errors, and the final sooner after the end of speech
     # (bench/README.md, "Background searches"). 0: off, as for every stream without a spare
     # lane.
     utterance_search_s: float = 6.0
     utterance_search_step_s: float = 2.0
     # The held words' last seconds that the window keeps after the cut, as its forced
-    # prefix: the closing decode hears them again, as context for the tail. Simulated on
-    # test-other (modelled cost): 2 words (``cut_carry_words``) 124 errors, 4 s 112, no cut
-    # (the held words forced over the whole window) 118, off 115.
+    # prefix: the closing decode hears them again, as context for the tail. A few seconds
+    # read better than the two words of an ordinary cut, and better than no cut at all.
     utterance_search_context_s: float = 4.0
     # One binary audio frame; larger gets an error and 1009. The server's WebSocket frame
     # limit is derived from it, so this is the only place the limit is set.
@@ -264,21 +253,16 @@ MAX_DECODE_LANES = 64  # each lane holds a copy of the model
 # The default share of the hop within which the streams' round leaves the lanes time to
 # spare (``PipelineConfig.comfort_utilization``): within it closing decodes asked as beam
 # searches are searched and words settle with the full context (``Pipeline.past_comfort``).
-# It was the admission budget until session 32, chosen so that the estimate landed on what
-# ``make bench-capacity`` sustained at final p95 <= 2 s with beam closings (tiny.en on a
-# 2-core CPU, bench-decoder 2 s window 91 ms: 4 streams in one sweep, 5 in another). Quiet
-# startups there timed a 4 s window of the calibration speech at 0.21-0.25 s, which gives
-# 4-6 streams at 0.7; on a machine whose 2 s window takes 133-153 ms, 0.29-0.35 s and 3-4.
-# At 0.9 five streams there got beam closings, and read final p95 2.21 s (session 31).
+# Chosen so that the estimate lands on the streams that ``make bench-capacity`` carries at
+# final p95 <= 2 s with beam closings; a larger share gives beam closings to streams whose
+# finals then come past 2 s.
 COMFORT_UTILIZATION = 0.7
 # The default admission budget (``PipelineConfig.admission_utilization``): the admitted
 # streams' round may take this many hops on each lane. Past the comfortable estimate the
 # cadence stretches every stream's hop and closings are greedy, and finals stay within 2 s
-# well past a round of one hop: eight streams on a 2-core CPU (round 1.3-1.6 hops) read final
-# p95 1.82-1.97 s in session 31 and 1.84 s in session 32, nine 2.15 s, ten 2.01-2.18 s
-# (bench-capacity, 2 s window 120-151 ms). The calibration there timed a 4 s window of its
-# speech at 0.29-0.35 s, so 1.5 says 8-10 at startup (1.4: 7-9); the clients' calls of eight
-# streams fit 9-11, held within the startup ceiling (server.decode.capacity).
+# well past a round of one hop. 1.5 makes the startup estimate land on the streams that
+# ``make bench-capacity`` carries; the fit of the clients' calls may say a little more, held
+# within the startup ceiling (server.decode.capacity).
 ADMISSION_UTILIZATION = 1.5
 # The admission budget may pass the hop, up to this: a round of two hops leaves a stream's
 # words two hops and a decode behind, past the 2 s of the finals' target.

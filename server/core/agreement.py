@@ -46,9 +46,8 @@ def normalize_word(text: str) -> str:
 def read_alike(newer: Sequence[Word], older: Sequence[Word]) -> list[Word]:
     """The opening words of ``newer`` that ``older`` reads alike (``normalize_word``), up to
     the last spoken one of them. Words that are only punctuation are passed over on both
-    sides: one beam search of test-other 3080-5032-0009 read "deans, and has so many" where
-    the next read "deans and has so many", and compared word by word they agreed on
-    "deans" alone."""
+    sides: two beam searches that differ only in a comma ("well, and" against "well and") would
+    otherwise agree, word by word, on the words before it alone."""
     spoken = [text for text in (normalize_word(w.text) for w in older) if text]
     matched = agreed = 0
     for k, word in enumerate(newer):

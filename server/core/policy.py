@@ -37,15 +37,13 @@ class CommitConfig:
     """The commit policy's knobs (bench/accuracy.py's trade-off table chose the defaults)."""
 
     agreement_n: int = 2  # consecutive decodes that must agree on a word and all before it
-    # Audio in the window after a word's end before it commits. bench-accuracy at modelled
-    # cost (short clips / long recordings): 1.0 s 9.33% / 10.43%, final p95 1.79 / 2.05 s;
-    # 0.8 s 9.17% / 10.32%, p95 1.64 / 1.82 s; 0.7 s 9.33% / 11.31% (9 more errors on the
-    # long ones), p95 1.52 / 1.72 s.
+    # Audio in the window after a word's end before it commits: with less, Whisper still
+    # rewrites the last words of long recordings after they are final; with more, every
+    # final waits longer and reads no better.
     min_right_context_s: float = 0.8
     # A window shorter than this commits nothing until it closes: the first words of an
-    # utterance wait for the words after them. bench-accuracy on test-other (40 clips, modelled
-    # cost): 2 s 15.64%, 3 s 15.42%, 4 s 14.75% (offline greedy 14.53%), final p95 1.74 /
-    # 1.83 s; partials are shown as fast as before.
+    # utterance wait for the words after them, which brings hard speech close to offline
+    # decoding; partials are shown as fast as before.
     min_window_s: float = 4.0
     # A word the newest decode heard this much audio after commits, and every word before
     # it, even where the decode before read it differently: both heard it whole, and waiting
@@ -54,20 +52,17 @@ class CommitConfig:
     settled_context_s: float = 0.0
     # A word the newest decode puts a punctuation mark after commits with the mark or not at
     # all (``LocalAgreement``), so that no final begins with the comma of the one before.
-    # bench-accuracy at modelled cost, test-other short / long: word by word 131 / 137 errors
-    # and 13 / 16 finals opening with a mark off, 133 / 137 and 1 / 1 on, final p95 1.95 ->
-    # 2.11 s, flicker 0.175 -> 0.198: off. "utterance" finals turn it on: the same text and
-    # times, and 3 finals opening with a mark on the long recordings -> 0 (bench/README.md,
-    # session 27).
+    # Off in "words" finals: there it made finals later, partials flicker more and a couple
+    # more errors. "utterance" finals turn it on: there it costs nothing in text or time.
     marks_wait: bool = False
     past_audio_margin_s: float = 0.06  # closing: a word starting this near the audio end...
     past_audio_min_probability: float = 0.5  # ...and below this probability is dropped
     # Where the server cut the audio inside speech, the words before the cut that the
     # alignment packed tighter than this per word (over the run from any of them to the last)
-    # go too: no one speaks 17 words a second. Seen at a session limit: "And so, you can do
-    # your country can do for you ask what you can do for your country." decoded on from the
-    # prompt into the last 0.34 s, which the page showed as a cue for 0.34 s. The client that
-    # goes on sends that audio again from its last final words, so nothing heard is lost.
+    # go too: no one speaks 17 words a second. Seen at a session limit: a whole sentence
+    # decoded on from the prompt into the last third of a second, which the page then showed
+    # as a cue that short. The client that goes on sends that audio again from its last
+    # final words, so nothing heard is lost.
     cut_squeezed_word_s: float = 0.06
 
     def __post_init__(self) -> None:

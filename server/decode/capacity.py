@@ -46,14 +46,13 @@ which the lanes are short of time (``comfort_utilization``); each gives a publis
 latency of their finals, and that is not the round of one window per stream per hop: as
 streams are added, the cadence stretches every stream's hop (each decode then holds more new
 audio), and eight streams on a 2-core CPU, whose round is 1.3-1.6 hops, still have their
-finals within 2 s (bench-capacity, session 31). So the admission budget may pass the hop
+finals within 2 s (bench-capacity). So the admission budget may pass the hop
 (``server.config.ADMISSION_UTILIZATION``). Within the comfortable estimate, the lanes have
 time for what a stream's latency can spare: closing decodes asked as beam searches run as
 beam searches, and words settle with the full context; past it, closings are greedy and
-words settle sooner (``Pipeline.past_comfort``). One budget for both (before session 32)
-made a choice between refusing streams the machine carries and giving beam closings to
-streams that cannot afford them: at 0.7 the estimate said 4 where the machine carries 8,
-at 0.9 it said 5 and five streams with beam closings read 2.21 s.
+words settle sooner (``Pipeline.past_comfort``). One budget for both made a choice between
+refusing streams the machine carries and giving beam closings to streams that cannot afford
+them: a budget low enough for beam closings refused half the streams the machine carries.
 
 **What a real-time stream costs, not whatever calls happened.** Three things kept a burst of
 clients sending faster than real time (``whisperwire stream --pace 0``) from being taken for
@@ -118,12 +117,10 @@ BATCH_WORTH_SHARE = 0.9
 # on a CPU).
 BATCH_VERDICT_MIN_S = 0.005
 # The floor is this share of the calibration's estimate (CapacityModel.calibrated_bounds).
-# Real-time streams' calls cost a median 0.6-0.7 times what the speech seeds predict, and
-# their fit says more streams than the seeds, not fewer (four streams of jfk.wav on tiny.en,
-# 2-core CPU: 6 against 4; eight streams of bench-capacity's recordings: 10 against 8 at the
-# admission budget, tests/capacity_calls.json), so a fit that says less than half the seeds'
-# figure is taken for calls the server was disturbed in (another process on the cores, a
-# stall), not for what the machine carries.
+# Real-time streams' calls cost less than the speech seeds predict, so their fit says more
+# streams than the seeds, not fewer (tests/capacity_calls.json holds such calls); a fit that
+# says less than half the seeds' figure is taken for calls the server was disturbed in
+# (another process on the cores, a stall), not for what the machine carries.
 FLOOR_SHARE = 0.5
 
 

@@ -155,12 +155,11 @@ class _LaneSlot:
 # ``_CALIBRATION_BATCH`` windows of the speech alone, the first twice as long alone, and the
 # same windows as one batch. The batch is timed against its own windows alone because that is
 # what the scheduler weighs (``CapacityModel.batch_size``), and the windows differ: on a
-# 2-core CPU, 4 s windows of this speech cost 0.27-0.58 s alone. There a batch of two cost
-# 1.07-1.12 times its two windows alone (it decodes as long as its longer row, and each row's
-# step costs what it does alone), a batch of four 0.89 times; the seeds used to time one
-# window against a batch of four other ones, and the fit took a 167 ms fixed cost per call
-# that batching saved, so the scheduler batched pairs of streams whose finals then waited for
-# both. The two lengths tell per-audio-second costs from per-window ones.
+# CPU a batch of two can cost more than its two windows alone (it decodes as long as its
+# longer row, and each row's step costs what it does alone). Timed against other windows,
+# a batch looked cheaper than it is, and the scheduler batched pairs of streams whose
+# finals then waited for both. The two lengths tell per-audio-second costs from per-window
+# ones.
 _CALIBRATION_BATCH = 2
 _CALIBRATION_LONG = 2.0
 # Each shape is timed this many times and the cheapest kept: the speech decodes to the same
@@ -358,11 +357,10 @@ class Pipeline:
         ``CapacityModel.comfortable_streams``): the lanes have no time to spare, though the
         streams may all be admitted. A closing decode asked as a beam search then runs
         greedy: a beam of 5 costs 1.5-1.9 greedy calls (bench-beam), lane time the other
-        streams' decodes need. Within the estimate it runs as asked (bench-capacity, four
-        streams on two lanes, comfortable estimate 4: WER 13.7% against 13.2% for each
-        stream alone, greedy closings 14.2-14.5%; final p95 1.87 s; end of speech to final
-        p50 / p95 1.07 / 1.57 s, greedy 0.70-0.97 / 0.93-1.35 s). The sessions also commit
-        with less settled context then (``StreamingConfig.utterance_busy_settled_context_s``)."""
+        streams' decodes need. Within the estimate it runs as asked: the streams then read
+        nearly as well as each alone, and better than with greedy closings, for finals a
+        few tenths of a second later. The sessions also commit with less settled context
+        then (``StreamingConfig.utterance_busy_settled_context_s``)."""
         streams = self._streams
         return streams > self.lanes and streams > self.capacity.comfortable_streams(streams)
 

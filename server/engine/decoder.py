@@ -174,12 +174,9 @@ def _loose_copy_start(keys: list[str], min_words: int) -> int | None:
     """Where an ending of at least ``min_words`` words starts that reads the words just
     before it again with a word or two changed (one edit per five words, at least one): a
     beam search at the end of the audio reads the last sentence again, and length
-    normalisation ranks the longer text first. Seen: "... in the domonica. It was followed
-    when it was prepared in the domonica." (test-other 367-130732-0005, 15 errors, 5
-    without); "The latter traditions tend to extend the period. The later traditions tend to
-    extend the period." and "... disagree regarding the derates of the sojourn in Egypt. The
-    biblical narratives apparently disagreeing the derates of the sojourn in Egypt." (an
-    utterance's closing beam search on test-other 2609 long)."""
+    normalisation ranks the longer text first. Seen on hard speech, where the closing beam
+    search of an utterance read its last sentence a second time with a word or two changed,
+    tripling the errors of that clip."""
     return next((start for start, _ in _loose_copies(keys, min_words)), None)
 
 
@@ -207,10 +204,9 @@ def crammed_copy_start(words: tuple[WordTiming, ...], min_words: int) -> int | N
     """The index in ``words`` where an ending starts that reads the words just before it
     again, loosely (``_loose_copies``), in under ``CRAMMED_COPY_SHARE`` of the time they
     took: the audio had no room for it. None when there is none. Seen on a stream's last
-    1.4 s (test-other 2609-156975-0004, "give of the period" after a prompt ending "Egyptian"):
-    "Gives as a period. Give as a period.", the second copy aligned to 17.76-18.10 s, the
-    first to 16.72-17.76 s. Phrases said twice take about as long each time; too short to
-    count under ``_loose_copy_start``'s length, this one is told by its time."""
+    second and a half: a short phrase read twice, the second copy aligned to a third of
+    the time of the first. Phrases said twice take about as long each time; too short to
+    count under ``_loose_copy_start``'s length, such a copy is told by its time."""
     spoken = [i for i, w in enumerate(words) if normalize_word(w.word)]
     keys = [normalize_word(words[i].word) for i in spoken]
 
@@ -336,9 +332,8 @@ class StreamingDecoder:
         on_cpu = mx.default_device() == mx.cpu
         self._projection = model.decoder.projection_array() if on_cpu else None
         # Token steps in numpy (see ``cpu_step``), where the CPU kernels are on: it computes
-        # GELU as they do. A decode call of 4 s windows of real speech on our 2-core CPU
-        # (bench-decoder's 2 s window 236 ms): 1 row 186 ms against 276 on MLX, 4 rows 707
-        # against 1105, 8 rows 1070 against 1593; 8 rows of 10 s 2519 against 4393.
+        # GELU as they do, and a decode call takes about two thirds of its time on MLX, for
+        # one row or eight (bench/README.md, "Where the defaults come from").
         cpu = on_cpu and model.encoder.cpu_kernels_enabled
         self._cpu_step = CpuTokenStep.for_decoder(model.decoder, self._projection) if cpu else None
 
