@@ -1,0 +1,103 @@
+"""The stream's text: every final through one place, held words, cuts, the prompt."""
+
+from __future__ import annotations
+
+import logging
+
+from server.config import StreamingConfig
+from server.core.cuts import Cut
+from server.core.emitter import Clock
+from server.core.rules import RuleCounts, RulesConfig
+from server.core.transcript import Transcript
+from server.protocol.messages import FinalMessage, PartialMessage
+from tests.core_doubles import SR, commit, spoken, utterance
+
+CLOCK = Clock(audio_received_s=5.0, lag_s=0.0)
+LOG = logging.LoggerAdapter(logging.getLogger("tests.transcript"), {"session_id": "t"})
+
+
+def transcript(**rules: object) -> Transcript:
+    streaming = StreamingConfig(rules=RulesConfig(**rules))  # type: ignore[arg-type]
+    return Transcript(streaming, RuleCounts(), LOG)
+
+
+def finals(text: Transcript) -> list[FinalMessage]:
+    return [e for e in text.emit.take(None, all_heard=True) if isinstance(e, FinalMessage)]
+
+
+def test_a_commit_sends_one_final_and_counts_its_path() -> None:
+    text = transcript()
+    utt = utterance()
+    words = spoken(("hello", 0.2, 0.6), ("world.", 0.7, 1.2))
+    text.commit(utt, words, why="agreement", clock=CLOCK, language=(None, None), labelled=False)
+    [final] = finals(text)
+    assert (final.text, final.segment_id, final.start, final.end) == ("hello world.", 0, 0.2, 1.2)
+    assert utt.committed == words and utt.committed_tokens == [100, 101]
+    assert text.counts["final:agreement"] == 1
+
+
+def test_held_words_go_out_with_the_next_final() -> None:
+    text = transcript()
+    utt = utterance()
+    held = spoken(("first", 0.2, 0.6))
+    text.commit(
+        utt, held, why="held_search", clock=CLOCK, language=(None, None), labelled=False, hold=True
+    )
+    assert finals(text) == []
+    text.partial(utt, CLOCK, (None, None), provisional=False)
+    shown = text.emit.take(None, all_heard=True)
+    assert isinstance(shown[0], PartialMessage) and shown[0].text == "first"
+    text.commit(
+        utt,
+        spoken(("then", 0.7, 0.9)),
+        why="closing",
+        clock=CLOCK,
+        language=(None, None),
+        labelled=False,
+    )
+    [final] = finals(text)
+    assert final.text == "first then"
+
+
+def test_a_cut_moves_the_window_carries_words_and_releases_the_rest_to_the_prompt() -> None:
+    text = transcript()
+    utt = utterance(heard_to_s=3.0)
+    commit(utt, spoken(("a", 0.1, 0.3), ("b", 0.4, 0.6), ("c", 0.7, 0.9)))
+    text.cut(utt, Cut(round(0.4 * SR), 2, "sentence_cut"))
+    assert utt.window_start == round(0.4 * SR)
+    assert [x.text for x in utt.committed] == [" b", " c"]
+    assert utt.prompted_tokens == 2  # the carried words are in the prompt already
+    assert text.prompt == (100, 101, 102)
+    assert text.emit.account.transcribed == round(0.4 * SR)
+    assert text.counts["sentence_cut"] == 1
+
+
+def test_after_a_decode_that_looped_the_next_window_gets_no_prompt() -> None:
+    text = transcript()
+    utt = utterance(heard_to_s=3.0)
+    commit(utt, spoken(("a", 0.1, 0.3)))
+    text.release_to_prompt(utt)
+    text.decoded(looped=True)
+    assert text.prompt == ()
+    text.decoded(looped=False)
+    assert text.prompt == (100,)
+    kept = transcript(disabled=("loop_prompt_drop",))
+    other = utterance(heard_to_s=3.0)
+    commit(other, spoken(("a", 0.1, 0.3)))
+    kept.release_to_prompt(other)
+    kept.decoded(looped=True)
+    assert kept.prompt == (100,)
+
+
+def test_retiring_an_utterance_accounts_for_its_audio_and_clears_its_partial() -> None:
+    text = transcript()
+    utt = utterance(heard_to_s=2.0)
+    commit(utt, spoken(("so", 0.1, 0.3)))
+    utt.tentative = spoken(("maybe", 0.4, 0.6))
+    text.partial(utt, CLOCK, (None, None), provisional=False)
+    utt.end = round(3.0 * SR)
+    text.retire(utt, decoded=False, audio_received_s=3.5)
+    events = text.emit.take(None, all_heard=True)
+    assert isinstance(events[-1], PartialMessage) and events[-1].text == ""
+    assert text.emit.account.transcribed == round(2.0 * SR)
+    assert text.emit.account.failed == round(1.0 * SR)
