@@ -26,6 +26,7 @@ from server.config import StreamingConfig, VadConfig
 from server.core.engine_api import DecodeResult, Window
 from server.core.session import DecodeJob, Session, SessionEvent
 from server.core.speakers import SpeakerEmbedder
+from server.core.vad import FrameClassifier
 from server.engine.engine import Engine
 from server.protocol.audio import pcm_s16le_bytes
 from server.protocol.formats import SAMPLE_RATE_HZ
@@ -157,6 +158,7 @@ def simulate(
     spare_lane: bool = False,
     decoder: Callable[[DecodeJob], DecodeResult] | None = None,
     on_session: Callable[[Session], object] | None = None,
+    frame_classifier: FrameClassifier | None = None,
 ) -> SimulationResult:
     """Stream ``audio`` through a fresh session; see the module docstring.
 
@@ -165,9 +167,14 @@ def simulate(
     ``decoder``: decodes a job in place of ``engine`` (a cache of recorded results, which
     ``bench.ablation`` replays); its time counts only where no modelled cost is given.
     ``on_session``: called with the session once it is done (its rule counters).
+    ``frame_classifier``: the VAD's verdicts (``Session``); None: webrtcvad's.
     """
     session = Session(
-        session_id, streaming=streaming, vad=vad, multilingual=engine.dims.is_multilingual
+        session_id,
+        streaming=streaming,
+        vad=vad,
+        multilingual=engine.dims.is_multilingual,
+        frame_classifier=frame_classifier,
     )
     result = SimulationResult(audio_s=audio.shape[0] / SAMPLE_RATE_HZ)
     chunk = int(CHUNK_S * SAMPLE_RATE_HZ)

@@ -60,3 +60,8 @@ def test_counts_name_rules_or_the_path_of_a_final() -> None:
     assert counts == {"sentence_cut": 1, "final:agreement": 2}
     with pytest.raises(AssertionError):
         counts.fired("no_such_rule")
+
+
+def test_a_guard_cannot_be_switched_off() -> None:
+    with pytest.raises(ValueError, match="window_cap cannot be switched off"):
+        RulesConfig(disabled=("window_cap",))

@@ -11,7 +11,7 @@ from server.config import VadConfig
 from server.core.buffer import SampleBuffer
 from server.core.jobs import Float32Array
 from server.core.settings import IDLE_KEEP_S
-from server.core.vad import VadEvent, VadSegmenter
+from server.core.vad import FrameClassifier, VadEvent, VadSegmenter
 from server.protocol.audio import PcmDecoder
 from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
 
@@ -19,14 +19,22 @@ from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
 class AudioIngest:
     """The decoder, buffer and VAD of one stream."""
 
-    def __init__(self, audio_format: AudioFormat, vad: VadConfig, *, max_frame_bytes: int) -> None:
+    def __init__(
+        self,
+        audio_format: AudioFormat,
+        vad: VadConfig,
+        *,
+        max_frame_bytes: int,
+        classifier: FrameClassifier | None = None,
+    ) -> None:
         self.buffer = SampleBuffer()
+        self._classifier = classifier  # the VAD's frame verdicts; None: webrtcvad's
         self.configure(audio_format, vad, max_frame_bytes=max_frame_bytes)
 
     def configure(self, audio_format: AudioFormat, vad: VadConfig, *, max_frame_bytes: int) -> None:
         """New settings, before the first audio: a new decoder and VAD (the buffer stays)."""
         self.pcm = PcmDecoder(audio_format, max_frame_bytes=max_frame_bytes)
-        self.vad = VadSegmenter(vad)
+        self.vad = VadSegmenter(vad, self._classifier)
 
     @property
     def seconds_in(self) -> float:

@@ -37,6 +37,8 @@ RULES: Mapping[str, str] = {
     "stalled_tail": "cut where re-decodes stop at the final words with speech after them",
     "window_cap": "a window past its cap is cut at its last final word",
 }
+# Rules that cannot be switched off: a window never outgrows Whisper's 30 s of context.
+GUARDS = frozenset({"window_cap"})
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,9 @@ class RulesConfig:
             raise ValueError(
                 f"unknown rule(s) {', '.join(unknown)}; the rules are {', '.join(RULES)}"
             )
+        guards = [name for name in self.disabled if name in GUARDS]
+        if guards:
+            raise ValueError(f"{', '.join(guards)} cannot be switched off")
         checks = (
             ("first_words.window_s", self.first_words.window_s),
             ("cut_repeat.within_s", self.cut_repeat.within_s),

@@ -51,7 +51,7 @@ from server.core.settings import (
 from server.core.speakers import EmbedJob, SpeakerTracker
 from server.core.transcript import Transcript
 from server.core.utterance import Utterance
-from server.core.vad import SpeechEnded, SpeechStarted, VadEvent
+from server.core.vad import FrameClassifier, SpeechEnded, SpeechStarted, VadEvent
 from server.core.windows import Windows
 from server.protocol.errors import ProtocolError
 from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
@@ -84,7 +84,10 @@ class Session:
         streaming: StreamingConfig | None = None,
         vad: VadConfig | None = None,
         multilingual: bool = False,
+        frame_classifier: FrameClassifier | None = None,
     ) -> None:
+        """``frame_classifier``: the VAD's verdict on each frame; None: webrtcvad's (the
+        recorded-case tests replay a real run's verdicts)."""
         self.session_id = session_id
         self._server_streaming = streaming or StreamingConfig()
         self._server_vad = vad or VadConfig()
@@ -92,7 +95,10 @@ class Session:
         self.log = logging.LoggerAdapter(logger, {"session_id": session_id})
         self.rule_counts = RuleCounts()
         self._audio = AudioIngest(
-            AudioFormat(), self._server_vad, max_frame_bytes=self._server_streaming.max_frame_bytes
+            AudioFormat(),
+            self._server_vad,
+            max_frame_bytes=self._server_streaming.max_frame_bytes,
+            classifier=frame_classifier,
         )
         text = Transcript(self._server_streaming, self.rule_counts, self.log)
         self._windows = Windows(self._audio, text, self.rule_counts, self.log)
