@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
+from server.config import StreamingConfig, VadConfig
 from server.core.agreement import Word
-from server.core.engine_api import DecodeOptions, DecodeRequest
+from server.core.desk import DecodeDesk
+from server.core.engine_api import (
+    DecodeOptions,
+    DecodeRequest,
+    DecodeResult,
+    StopReason,
+    WordTiming,
+)
+from server.core.ingest import AudioIngest
 from server.core.jobs import DecodeJob
+from server.core.planner import DecodePlanner
 from server.core.policy import CommitPolicy
+from server.core.results import ResultFolder
+from server.core.rules import RuleCounts
+from server.core.transcript import Transcript
 from server.core.utterance import Utterance
-from server.protocol.formats import SAMPLE_RATE_HZ
+from server.core.windows import Windows
+from server.protocol.audio import pcm_s16le_bytes
+from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
 
 SR = SAMPLE_RATE_HZ
 
@@ -74,3 +91,51 @@ def voiced_everywhere(start: int, end: int) -> float:
 
 def voiced_nowhere(start: int, end: int) -> float:
     return 0.0
+
+
+def quiet_stack(
+    streaming: StreamingConfig | None = None,
+) -> tuple[AudioIngest, Windows, DecodeDesk, ResultFolder]:
+    """The core's units wired as a session wires them, with a VAD that hears nothing: a test
+    opens and closes utterances itself and feeds audio for their windows."""
+    c = streaming or StreamingConfig()
+    log = logging.LoggerAdapter(logging.getLogger("tests.core"), {"session_id": "t"})
+    counts = RuleCounts()
+    audio = AudioIngest(
+        AudioFormat(), VadConfig(), max_frame_bytes=1 << 20, classifier=lambda f: False
+    )
+    windows = Windows(audio, Transcript(c, counts, log), counts, log)
+    planner = DecodePlanner(c, counts)
+    windows.configure(c, planner, "en", None)
+    desk = DecodeDesk("t", windows, counts)
+    desk.configure(c, planner, "transcribe")
+    results = ResultFolder(windows)
+    results.configure(c, planner)
+    return audio, windows, desk, results
+
+
+def feed(audio: AudioIngest, seconds: float) -> None:
+    """``seconds`` of a quiet constant signal (the VAD's verdicts are the test's)."""
+    audio.receive(pcm_s16le_bytes(np.full(round(seconds * SR), 0.001, dtype=np.float32)))
+
+
+def decoded(job: DecodeJob, *spec: tuple[str, float, float]) -> DecodeResult:
+    """A result for ``job``: its forced prefix's words (times unknown: at 0), then ``spec``
+    (text, start, end in stream time)."""
+    words = [WordTiming(" p", (t,), 0.0, 0.0, 0.99) for t in job.request.prefix]
+    words += [
+        WordTiming(f" {t}", (200 + k,), a - job.start_s, b - job.start_s, 0.9)
+        for k, (t, a, b) in enumerate(spec)
+    ]
+    return DecodeResult(
+        tokens=tuple(t for x in words for t in x.tokens),
+        text="".join(x.word for x in words),
+        spans=(),
+        words=tuple(words),
+        language="en",
+        avg_logprob=-0.2,
+        no_speech_prob=0.01,
+        compression_ratio=1.2,
+        stop_reason=StopReason.EOT,
+        n_generated=len(spec),
+    )
