@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 
 .PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-gpu bench-beam bench-streaming bench-capacity bench-speakers bench-uploads bench-vocabulary clean
-.PHONY: peer bench-latency bench-accuracy bench-served tmux
+.PHONY: peer bench-latency bench-accuracy bench-ablation bench-served tmux
 
 install: $(STAMP)
 
@@ -116,6 +116,11 @@ bench-latency: $(STAMP) $(PEER_STAMP)
 # beside offline decoding of the same clip. BENCH_ACCURACY_ARGS: e.g. --set commit.min_window_s=3
 bench-accuracy: $(STAMP)
 	$(PY) -m bench.accuracy $(BENCH_ACCURACY_ARGS)
+
+# What each streaming rule earns: the dev sets at the modelled decode cost, once per rule off
+# (bench/README.md, "Rule ablation"). BENCH_ABLATION_ARGS: e.g. --rules stalled_tail --sets test_other
+bench-ablation: $(STAMP)
+	$(PY) -m bench.ablation $(BENCH_ABLATION_ARGS)
 
 bench-served: $(STAMP)
 	$(PY) -m bench.served $(BENCH_SERVED_ARGS)
