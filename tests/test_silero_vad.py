@@ -175,9 +175,8 @@ def test_two_clips_give_two_segments_around_their_speech(model: SileroModel) -> 
     """Each segment's onset (its start less the pad) is within 100 ms of its clip's speech
     (energy bounds), the second one's too, heard with the state the first left; with its
     pads the segment holds all of the speech but a trailing murmur near the bounds' 30 dB
-    floor (to within 50 ms), and its last
-    speech frame is at most 150 ms after the speech (Silero's probability decays over a
-    frame or three after the last sound)."""
+    floor (to within 50 ms), and its last speech frame is at most 150 ms after the speech
+    (Silero's probability decays over a frame or three after the last sound)."""
     first, second = _load(CLIP), _load(SECOND_CLIP)
     stream = np.concatenate([_silence(1.0), first, _silence(1.5), second, _silence(1.0)])
     segments = _segments(_run(model, stream))
