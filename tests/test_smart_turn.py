@@ -101,7 +101,7 @@ def test_sentence_ends_score_higher_than_mid_sentence_pauses(model: SmartTurn) -
     assert statistics.median(ends) > statistics.median(mids), (ends, mids)
 
 
-def test_the_score_rises_with_the_pause_after_a_sentence_end(model: SmartTurn) -> None:
+def test_inside_a_sentence_the_score_rises_as_the_pause_goes_on(model: SmartTurn) -> None:
     """At a sentence end the model is sure at once; inside a sentence ("... by a similar
     process | produced the block books") it grows surer as the pause goes on, so where in a
     pause the model is asked matters."""
