@@ -24,6 +24,10 @@ calls speech, what a frame costs; and the words the whole core makes of 30 s of 
 4. The core on the noises: ``bench.simulate.simulate`` with the real tiny.en engine at the
    modelled decode cost (``bench.accuracy.modelled_cost_s``), the words that come out; with
    webrtcvad (today's core) and with Silero in its place (see ``silero_in_the_session``).
+5. The core on speech (``--parts accuracy``, not run by default: it takes as long as the rest):
+   the 40 test-other clips, 1 s before and 1.5 s after, clean and under pink noise 10 dB down,
+   streamed through the core the same way with each VAD: word errors and end of speech to
+   final (simulated clock).
 
 Output: ``bench/results/vad-compare.json`` and tables; the last line is one JSON object with
 the headline figures.
@@ -46,6 +50,7 @@ import numpy.typing as npt
 
 import server.core.session as session_module
 from bench.accuracy import modelled_cost_s
+from bench.accuracy_metrics import count_errors
 from bench.corpus import load_clip, read_manifest
 from bench.engine import speech_dir, write_results
 from bench.simulate import simulate
@@ -364,11 +369,79 @@ def measure_core(
     return rows
 
 
+def measure_accuracy(engine: Engine, model: SileroModel, limit: int | None) -> dict[str, Any]:
+    folder = speech_dir()
+    rows = [r for r in read_manifest(folder / "manifest.tsv") if "test-other" in r.file]
+    rows = rows[:limit]
+    clips: list[dict[str, Any]] = []
+    for i, row in enumerate(rows):
+        clip = load_clip(folder / row.file)
+        before = np.zeros(round(BEFORE_S * SAMPLE_RATE_HZ), np.float32)
+        after = np.zeros(round(AFTER_S * SAMPLE_RATE_HZ), np.float32)
+        stream = np.concatenate([before, clip, after])
+        bed = noise("pink", stream.size / SAMPLE_RATE_HZ, SEED + 1000 + i)
+        noisy = stream + at_level(bed, speech_dbfs(clip) - NOISY_SNR_DB)
+        out: dict[str, Any] = {
+            "file": row.file,
+            "ref_words": count_errors(row.transcript, "").ref_words,
+        }
+        for condition, audio in (("clean", stream), ("pink_10db", noisy)):
+            for name in ("webrtcvad", "silero"):
+                context = (
+                    silero_in_the_session(model) if name == "silero" else contextlib.nullcontext()
+                )
+                with context:
+                    result = simulate(engine, audio, decode_cost_s=modelled_cost_s)
+                counts = count_errors(row.transcript, result.text)
+                out[f"{condition}_{name}_errors"] = counts.errors
+                out[f"{condition}_{name}_eos_to_final_s"] = [
+                    round(x, 3) for x in result.end_of_speech_to_final_s()
+                ]
+        clips.append(out)
+        print(
+            f"{row.file:50s} "
+            + " ".join(
+                f"{k.removesuffix('_errors')}={v}" for k, v in out.items() if k.endswith("_errors")
+            ),
+            flush=True,
+        )
+    words = sum(c["ref_words"] for c in clips)
+    summary_: dict[str, Any] = {"clips": len(clips), "ref_words": words}
+    for condition in ("clean", "pink_10db"):
+        for name in ("webrtcvad", "silero"):
+            errors = sum(c[f"{condition}_{name}_errors"] for c in clips)
+            waits = sorted(x for c in clips for x in c[f"{condition}_{name}_eos_to_final_s"])
+            summary_[f"{condition}_{name}"] = {
+                "errors": errors,
+                "wer": round(errors / words, 4),
+                "eos_to_final_p50_s": round(statistics.median(waits), 3) if waits else None,
+                "eos_to_final_p95_s": (
+                    round(waits[min(len(waits) - 1, round(0.95 * (len(waits) - 1)))], 3)
+                    if waits
+                    else None
+                ),
+            }
+    return {"summary": summary_, "clips": clips}
+
+
+PARTS = ("speech", "noise", "cost", "core", "accuracy")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="12 clips, noise at -40/-20 dBFS")
+    parser.add_argument(
+        "--quick", action="store_true", help="12 clips (4 for accuracy), noise at -40/-20 dBFS"
+    )
+    parser.add_argument(
+        "--parts",
+        default="speech,noise,cost,core",
+        help=f"comma-separated, of {','.join(PARTS)} (accuracy is not in the default)",
+    )
     parser.add_argument("--out", default="vad-compare")
     args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if not parts <= set(PARTS):
+        parser.error(f"--parts must be of {', '.join(PARTS)}; got {args.parts}")
     folder = speech_dir()
     files = [r.file for r in read_manifest(folder / "manifest.tsv") if r.language == "en"]
     levels: tuple[int, ...] = LEVELS_DBFS
@@ -379,53 +452,49 @@ def main(argv: list[str] | None = None) -> int:
     model = SileroModel()
     load_start = os.getloadavg()
     started = time.perf_counter()
-    cost = measure_cost(model, load_clip(folder / "ljspeech/long/LJ001-0001_to_0032.concat.wav"))
-    print(json.dumps(cost), flush=True)
-    speech = measure_speech(engine, model, files)
-    summaries = {
-        condition: {name: speech_summary(rows) for name, rows in by_name.items()}
-        for condition, by_name in speech.items()
-    }
-    noise_rows = measure_noise(model, levels)
-    core_rows = measure_core(engine, model, levels)
-    headline = {
-        **{
-            f"{condition}_{name}_start_median_abs_s": s["start"]["median_abs_s"]
-            for condition, by_name in summaries.items()
-            for name, s in by_name.items()
-        },
-        **{
-            f"{condition}_{name}_end_median_abs_s": s["end"]["median_abs_s"]
-            for condition, by_name in summaries.items()
-            for name, s in by_name.items()
-        },
-        **{
-            f"{condition}_{name}_missed_words": s["missed_words"]
-            for condition, by_name in summaries.items()
-            for name, s in by_name.items()
-        },
-        "noise_speech_s_webrtcvad": round(sum(r["webrtcvad_speech_s"] for r in noise_rows), 1),
-        "noise_speech_s_silero": round(sum(r["silero_speech_s"] for r in noise_rows), 1),
-        "noise_words_webrtcvad": sum(r["webrtcvad_words"] for r in core_rows),
-        "noise_words_silero": sum(r["silero_words"] for r in core_rows),
-        "webrtcvad_us_per_frame": cost["webrtcvad_us_per_frame"],
-        "silero_us_per_frame": cost["silero_us_per_frame"],
-    }
+    data: dict[str, Any] = {}
+    headline: dict[str, Any] = {}
+    if "cost" in parts:
+        long = load_clip(folder / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
+        data["cost"] = cost = measure_cost(model, long)
+        print(json.dumps(cost), flush=True)
+        for name in ("webrtcvad", "silero"):
+            headline[f"{name}_cpu_us_per_frame"] = cost[f"{name}_cpu_us_per_frame"]
+    if "speech" in parts:
+        speech = measure_speech(engine, model, files)
+        summaries = {
+            condition: {name: speech_summary(rows) for name, rows in by_name.items()}
+            for condition, by_name in speech.items()
+        }
+        data["speech"], data["speech_clips"] = summaries, speech
+        for condition, by_name in summaries.items():
+            for name, s in by_name.items():
+                print(f"{condition:10s} {name:10s} {json.dumps(s)}")
+                headline[f"{condition}_{name}_start_median_abs_s"] = s["start"]["median_abs_s"]
+                headline[f"{condition}_{name}_end_median_abs_s"] = s["end"]["median_abs_s"]
+                headline[f"{condition}_{name}_missed_words"] = s["missed_words"]
+    if "noise" in parts:
+        data["noise"] = rows = measure_noise(model, levels)
+        for name in ("webrtcvad", "silero"):
+            headline[f"noise_speech_s_{name}"] = round(sum(r[f"{name}_speech_s"] for r in rows), 1)
+    if "core" in parts:
+        data["core_on_noise"] = rows = measure_core(engine, model, levels)
+        for name in ("webrtcvad", "silero"):
+            headline[f"noise_words_{name}"] = sum(r[f"{name}_words"] for r in rows)
+    if "accuracy" in parts:
+        data["accuracy"] = accuracy = measure_accuracy(engine, model, 4 if args.quick else None)
+        for key, value in accuracy["summary"].items():
+            if isinstance(value, dict):
+                print(f"{key:20s} {json.dumps(value)}")
+                headline[f"accuracy_{key}_errors"] = value["errors"]
     data = {
         "headline": headline,
-        "speech": summaries,
-        "speech_clips": speech,
-        "noise": noise_rows,
-        "core_on_noise": core_rows,
-        "cost": cost,
+        **data,
         "engine": {"model": engine.name},
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    for condition, by_name in summaries.items():
-        for name, s in by_name.items():
-            print(f"{condition:10s} {name:10s} {json.dumps(s)}")
     path = write_results(args.out, data)
     print(f"wrote {path}")
     print(json.dumps(headline))
