@@ -24,8 +24,9 @@ calls speech, what a frame costs; and the words the whole core makes of 30 s of 
 4. The core on the noises: ``bench.simulate.simulate`` with the real tiny.en engine at the
    modelled decode cost (``bench.accuracy.modelled_cost_s``), the words that come out; with
    webrtcvad (today's core) and with Silero in its place (see ``silero_in_the_session``).
-5. The core on speech (``--parts accuracy``, not run by default: it takes as long as the rest):
-   the 40 test-other clips, 1 s before and 1.5 s after, clean and under pink noise 10 dB down,
+5. The core on speech (``--parts accuracy``, not run by default: on this 2-core machine it
+   takes about a minute a clip): the 40 test-other clips (``--accuracy-clips``, spread over
+   the four chapters), 1 s before and 1.5 s after, clean and under pink noise 10 dB down,
    streamed through the core the same way with each VAD: word errors and end of speech to
    final (simulated clock).
 
@@ -369,10 +370,10 @@ def measure_core(
     return rows
 
 
-def measure_accuracy(engine: Engine, model: SileroModel, limit: int | None) -> dict[str, Any]:
+def measure_accuracy(engine: Engine, model: SileroModel, clips_n: int) -> dict[str, Any]:
     folder = speech_dir()
     rows = [r for r in read_manifest(folder / "manifest.tsv") if "test-other" in r.file]
-    rows = rows[:limit]
+    rows = rows[:: max(1, len(rows) // clips_n)][:clips_n]  # spread over the four chapters
     clips: list[dict[str, Any]] = []
     for i, row in enumerate(rows):
         clip = load_clip(folder / row.file)
@@ -437,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
         default="speech,noise,cost,core",
         help=f"comma-separated, of {','.join(PARTS)} (accuracy is not in the default)",
     )
+    parser.add_argument(
+        "--accuracy-clips", type=int, default=40, help="test-other clips for --parts accuracy"
+    )
     parser.add_argument("--out", default="vad-compare")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -482,7 +486,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("webrtcvad", "silero"):
             headline[f"noise_words_{name}"] = sum(r[f"{name}_words"] for r in rows)
     if "accuracy" in parts:
-        data["accuracy"] = accuracy = measure_accuracy(engine, model, 4 if args.quick else None)
+        data["accuracy"] = accuracy = measure_accuracy(
+            engine, model, 4 if args.quick else args.accuracy_clips
+        )
         for key, value in accuracy["summary"].items():
             if isinstance(value, dict):
                 print(f"{key:20s} {json.dumps(value)}")
