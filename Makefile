@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 
 .PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-gpu bench-beam bench-streaming bench-capacity bench-speakers bench-uploads bench-vocabulary clean
-.PHONY: peer bench-latency bench-accuracy bench-ablation bench-served tmux
+.PHONY: peer bench-latency bench-accuracy bench-ablation bench-served tmux bench-turn-model bench-vad
 
 install: $(STAMP)
 
@@ -137,6 +137,16 @@ bench-uploads: $(STAMP)
 # What a prompt of vocabulary (OpenAI prompt, Deepgram keyterm) does to missed names and terms.
 bench-vocabulary: $(STAMP)
 	$(PY) -m bench.vocabulary
+
+# The turn models (server/turns/): what a Smart Turn v3.2 score costs, how it scores LJ Speech's
+# sentence ends against its pauses inside sentences.
+bench-turn-model: $(STAMP)
+	$(PY) -m bench.turn_model $(BENCH_TURN_MODEL_ARGS)
+
+# webrtcvad against Silero VAD: speech start/end on the shared clips, false speech on 30 s of
+# synthetic noise and hum, cost per frame; and the words the whole core makes of those noises.
+bench-vad: $(STAMP)
+	$(PY) -m bench.vad_compare $(BENCH_VAD_ARGS)
 
 bench: bench-engine bench-decoder bench-streaming bench-accuracy bench-capacity bench-latency
 

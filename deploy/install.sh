@@ -32,3 +32,8 @@ test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 # librosa and scipy; we read only its trained weights, pretrained.pt, without torch
 # (server/speakers/weights.py), and run the network in numpy.
 "$VENV/bin/python" -m pip install -q --no-deps 'resemblyzer==0.1.4'
+# pipecat-ai likewise, for two data files only: the ONNX models of Smart Turn v3.2 and Silero
+# VAD (server/turns/onnx.py finds them without importing pipecat). Its dependencies are a
+# voice-agent framework's (aiohttp, loguru, numba, ...), none of which the server runs; the dev
+# extra installs it with them for the Pipecat client tests, at this same version.
+"$VENV/bin/python" -m pip install -q --no-deps 'pipecat-ai==1.14.0'
