@@ -40,6 +40,7 @@ from server.core.session import (
     StreamSettings,
 )
 from server.core.speakers import SpeakerConfig
+from server.core.turns import TurnConfig, TurnEvent
 from server.core.vad import VadSegmenter
 from server.protocol.audio import pcm_s16le_bytes
 from server.protocol.errors import (
@@ -62,6 +63,7 @@ from server.protocol.messages import (
     SpeechStartedMessage,
     parse_server_message,
 )
+from tests.core_doubles import decoded
 from tests.helpers import ScriptedEngine, hard_clips
 
 if TYPE_CHECKING:
@@ -2189,3 +2191,108 @@ def test_speech_the_server_cuts_commits_no_word_at_the_audios_very_end(
     words = " ".join(finals).split()
     assert words[:-1] == [f"w{k}" for k in range(len(words) - 1)]  # the heard words, all
     assert (words[-1] == "similar") is not by_server
+
+
+# --------------------------------------------------------------------------- turns
+
+
+def _turn_run(
+    speech: list[tuple[float, float]],
+    score: Callable[[float], float | None],
+    *,
+    turns: TurnConfig,
+    total_s: float,
+) -> list[SessionEvent]:
+    """A stream whose VAD hears speech at ``speech`` (start, end seconds) and whose decodes
+    hear a word per 0.4 s of it; the turn model answers ``score(pause_s)``. No model, no
+    audio: the VAD takes scripted verdicts on a quiet signal."""
+    frame_s = 0.03
+
+    def voiced(frame: bytes, clock: list[int] = [0]) -> bool:  # noqa: B006 - the frame count
+        t = clock[0] * frame_s
+        clock[0] += 1
+        return any(a <= t < b for a, b in speech)
+
+    session = Session("turns", frame_classifier=voiced)
+    session.configure(StreamSettings(finals="utterance", turns=turns))
+
+    def words_of(job: DecodeJob) -> DecodeResult:
+        spec = []
+        end_s = job.start_s + job.audio_s
+        for a, b in speech:
+            t = max(a, job.start_s)
+            while t + 0.3 <= min(b, end_s):
+                spec.append((f"w{len(spec)}", t, t + 0.3))
+                t += 0.4
+        spec = [(text, a, b) for text, a, b in spec if a >= job.start_s]
+        return decoded(job, *spec)
+
+    events: list[SessionEvent] = []
+    chunk = np.full(int(0.02 * SAMPLE_RATE_HZ), 0.001, dtype=np.float32)
+    for _ in range(int(total_s / 0.02)):
+        session.feed_audio(pcm_s16le_bytes(chunk))
+        while not session.busy and (job := session.next_job()) is not None:
+            session.receive_result(job, words_of(job))
+        if (turn_job := session.next_turn_job()) is not None:
+            session.receive_turn_score(turn_job, score(turn_job.pause_end / SAMPLE_RATE_HZ))
+        events.extend(session.events_to_send())
+    return events
+
+
+def _turn_kinds(events: list[SessionEvent]) -> list[str]:
+    return [str(e.kind) for e in events if isinstance(e, TurnEvent)]
+
+
+def test_a_pause_the_turn_model_calls_complete_ends_the_turn_with_its_final_words() -> None:
+    events = _turn_run([(0.5, 2.5)], lambda pause_s: 0.95, turns=TurnConfig(), total_s=4.0)
+    kinds = _turn_kinds(events)
+    assert kinds[0] == "StartOfTurn" and kinds[-1] == "EndOfTurn" and "Update" in kinds
+    end = [e for e in events if isinstance(e, TurnEvent)][-1]
+    finals = [e for e in events if isinstance(e, FinalMessage)]
+    assert end.trigger == "model" and end.transcript == " ".join(f.text for f in finals)
+    assert end.transcript.startswith("w0 w1")
+    # The turn ended at the pause, before the VAD's own endpoint (500 ms of silence).
+    ended = next(e for e in events if isinstance(e, SpeechEndedMessage))
+    assert ended.end < 2.5 + 0.3 and ended.audio_received_s < 2.5 + 0.5
+
+
+def test_a_pause_the_model_calls_unfinished_keeps_the_turn_open_across_utterances() -> None:
+    speech = [(0.5, 2.0), (3.5, 4.5)]  # the VAD ends the first at 1 s of silence
+    scores = {True: 0.1, False: 0.9}  # the first pause unfinished, the second complete
+    events = _turn_run(
+        speech, lambda pause_s: scores[pause_s < 3.2], turns=TurnConfig(), total_s=6.5
+    )
+    turn_events = [e for e in events if isinstance(e, TurnEvent)]
+    assert [str(e.kind) for e in turn_events].count("StartOfTurn") == 1
+    end = turn_events[-1]
+    assert str(end.kind) == "EndOfTurn" and end.turn_index == 0
+    assert sum(isinstance(e, SpeechEndedMessage) for e in events) == 2  # two utterances
+
+
+def test_without_a_complete_pause_the_turn_ends_at_the_timeout() -> None:
+    events = _turn_run(
+        [(0.5, 2.0)], lambda pause_s: 0.1, turns=TurnConfig(eot_timeout_ms=1500), total_s=5.0
+    )
+    end = [e for e in events if isinstance(e, TurnEvent)][-1]
+    assert str(end.kind) == "EndOfTurn" and end.trigger == "timeout"
+    assert end.audio_received_s >= 2.0 + 1.5
+
+
+def test_an_eager_end_then_speech_resumes_the_same_turn() -> None:
+    speech = [(0.5, 2.0), (2.6, 3.6)]
+    events = _turn_run(
+        speech,
+        lambda pause_s: 0.5 if pause_s < 2.5 else 0.9,
+        turns=TurnConfig(eager_eot_threshold=0.4),
+        total_s=5.0,
+    )
+    kinds = _turn_kinds(events)
+    assert kinds.index("EagerEndOfTurn") < kinds.index("TurnResumed") < kinds.index("EndOfTurn")
+
+
+def test_a_failed_score_leaves_the_turn_to_its_timeout() -> None:
+    events = _turn_run(
+        [(0.5, 2.0)], lambda pause_s: None, turns=TurnConfig(eot_timeout_ms=1000), total_s=4.0
+    )
+    end = [e for e in events if isinstance(e, TurnEvent)][-1]
+    assert end.trigger == "timeout"

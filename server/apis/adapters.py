@@ -42,6 +42,9 @@ class SessionSettings:
     vad: VadConfig
     multilingual: bool
     model: str  # the engine's name, which the APIs report as their model
+    # Whether the server can score turns (Smart Turn is installed): streams that ask for
+    # conversational turns are refused without it.
+    turn_model: bool = False
 
 
 class Adapter(Protocol):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from server.apis import (
+    deepgram_flux,
     deepgram_live,
     deepgram_prerecorded,
     openai_realtime,
@@ -21,7 +22,8 @@ from server.apis.adapters import StreamApi
 from server.apis.files import FileRoute
 
 STREAM_APIS: Mapping[str, StreamApi] = {
-    api.path: api for api in (v1_stream.API, openai_realtime.API, deepgram_live.API)
+    api.path: api
+    for api in (v1_stream.API, openai_realtime.API, deepgram_live.API, deepgram_flux.API)
 }
 
 FILE_ROUTES: Mapping[str, FileRoute] = {

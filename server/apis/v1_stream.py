@@ -16,6 +16,7 @@ from websockets.http11 import Request
 
 from server.apis.adapters import SessionSettings, StreamApi
 from server.core.session import Session, Settled, StreamSettings
+from server.core.turns import TurnEvent
 from server.decode.stream_driver import AdapterEvent, Outgoing, StreamDriver
 from server.protocol.errors import ProtocolError, StreamError
 from server.protocol.formats import AudioFormat
@@ -137,7 +138,7 @@ class V1Adapter:
 
     def render(self, message: Outgoing) -> list[str]:
         """The message's own JSON."""
-        if isinstance(message, (Settled, AdapterEvent)):
+        if isinstance(message, (Settled, TurnEvent, AdapterEvent)):
             return []
         return [message.to_json()]
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from server.core.agreement import Word
 from server.core.speakers import SpeakerLabel, SpeakerTracker
+from server.core.turns import TurnEvent
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.protocol.messages import (
     DoneMessage,
@@ -33,7 +34,7 @@ class Settled:
     audio_received_s: float
 
 
-SessionEvent = ServerMessage | Settled
+SessionEvent = ServerMessage | Settled | TurnEvent
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from server.config import StreamingConfig, VadConfig
+from server.core.turns import TurnConfig
 from server.protocol.errors import ProtocolError
 from server.protocol.formats import FINALS, AudioFormat
 
@@ -39,6 +40,9 @@ class StreamSettings:
     speakers: bool | None = None
     # "words" or "utterance" (``StreamingConfig.finals``); None: the server's.
     finals: str | None = None
+    # Conversational turns (``turns.py``): when a pause ends the speaker's turn; None: the
+    # stream has no turn events.
+    turns: TurnConfig | None = None
 
 
 def resolve(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
+from collections.abc import Callable
 
 from server.config import StreamingConfig
 from server.core.agreement import Word
@@ -48,6 +49,8 @@ class Windows:
         self.log = log
         self.utterances: deque[Utterance] = deque()
         self.unsettled = False  # speech was closed and a Settled is owed for it
+        # Audio someone else still needs from the buffer (a turn's for its model), or None.
+        self.also_keep: Callable[[], int | None] = lambda: None
         self.configure(StreamingConfig(), DecodePlanner(StreamingConfig(), counts), None, None)
 
     def configure(
@@ -149,8 +152,10 @@ class Windows:
             keep_from = self.utterances[0].window_start
         else:
             keep_from = self.audio.idle_keep_from
-        if self.speakers is not None:
-            needed = self.speakers.keep_from()
+        for needed in (
+            self.speakers.keep_from() if self.speakers is not None else None,
+            self.also_keep(),
+        ):
             if needed is not None:
                 keep_from = min(keep_from, needed)
         self.audio.trim(keep_from)

@@ -80,6 +80,7 @@ from server.core.engine_api import (
 )
 from server.core.session import DecodeJob
 from server.core.speakers import EmbedJob, SpeakerEmbedder
+from server.core.turns import TurnJob, TurnScorer
 from server.decode.calibration import speech_windows
 from server.decode.capacity import CapacityModel
 from server.decode.lanes import EngineCall, LaneLost, ProcessLane, ThreadLane
@@ -208,6 +209,10 @@ class Pipeline:
         self._speakers_pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="whisperwire-speakers"
         )
+        # The turn model (Smart Turn), when streams ask for conversational turns: one call per
+        # pause, tens of milliseconds, in a thread of its own beside the decode lanes.
+        self.turn_model: TurnScorer | None = None
+        self._turns_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whisperwire-turns")
         self._embed_waiting: list[tuple[EmbedJob, asyncio.Future[Float32Array]]] = []
         self._embed_batch: list[asyncio.Future[Float32Array]] = []  # the batch in the thread
         self._embedding: asyncio.Task[None] | None = None
@@ -419,6 +424,7 @@ class Pipeline:
                 future.set_exception(RuntimeError("the server is shutting down"))
         self._embed_waiting.clear()
         self._speakers_pool.shutdown(wait=False, cancel_futures=True)
+        self._turns_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _calibrate(self, lane: ThreadLane) -> None:
         """Time a few engine calls on speech windows into the capacity model (after warmup:
@@ -474,6 +480,18 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         mel = await loop.run_in_executor(self._features_pool, engine.features, job.audio)
         return Window(mel, job.request)
+
+    async def score_turn(self, job: TurnJob) -> float:
+        """The turn model's probability that ``job``'s pause ends the turn. Raises
+        RuntimeError when the server has no turn model or is shutting down, and what the model
+        raises."""
+        model = self.turn_model
+        if model is None:
+            raise RuntimeError("this server has no turn model")
+        if self._closed:
+            raise RuntimeError("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._turns_pool, model.score, job.audio)
 
     async def embed(self, job: EmbedJob) -> Float32Array:
         """A speaker job's d-vectors. Jobs that wait while the encoder is busy go through it

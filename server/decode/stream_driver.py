@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from server.core.engine_api import DecodeResult
 from server.core.planner import Load
-from server.core.session import DecodeJob, Session, SessionEvent, StreamSettings
+from server.core.session import DecodeJob, Session, SessionEvent, StreamSettings, TurnJob
 from server.core.speakers import EmbedJob
 from server.decode.pipeline import Pipeline
 from server.protocol.messages import ErrorMessage, ServerMessage
@@ -67,6 +67,7 @@ class StreamDriver:
         self._dropped: set[asyncio.Task[None]] = set()
         self._searching: asyncio.Task[None] | None = None  # a background beam search
         self._embedding: asyncio.Task[None] | None = None
+        self._scoring: asyncio.Task[None] | None = None  # the turn model on a pause
         self._closed = False
         self._overflowed = False
         self._first_audio_at: float | None = None  # time.monotonic() of the first audio
@@ -95,6 +96,13 @@ class StreamDriver:
         finally:
             self._advance()
 
+    def force_end_turn(self) -> None:
+        """``Session.force_end_turn``; raises ``ProtocolError``."""
+        try:
+            self.session.force_end_turn()
+        finally:
+            self._advance()
+
     def flush(self) -> None:
         """``Session.flush``; raises ``ProtocolError`` after the end."""
         try:
@@ -120,7 +128,7 @@ class StreamDriver:
         decode in flight and stop producing messages."""
         self._closed = True
         self._unregister()
-        running = (self._decoding, self._embedding, self._searching)
+        running = (self._decoding, self._embedding, self._searching, self._scoring)
         tasks = {t for t in running if t is not None} | self._dropped
         for task in tasks:
             task.cancel()
@@ -152,6 +160,13 @@ class StreamDriver:
                 self._searching = asyncio.create_task(
                     self._search(search),
                     name=f"search-{self.session.session_id}-{search.job_id}",
+                )
+        if self._scoring is None:
+            turn_job = self.session.next_turn_job()
+            if turn_job is not None:
+                self._scoring = asyncio.create_task(
+                    self._score_turn(turn_job),
+                    name=f"turn-{self.session.session_id}-{turn_job.job_id}",
                 )
         if self._embedding is None:
             embed_job = self.session.next_speaker_job()
@@ -253,6 +268,21 @@ class StreamDriver:
         self._searching = None
         try:
             self.session.receive_search(job, result)
+            self._advance()
+        except Exception as exc:
+            self._session_failed(exc)
+
+    async def _score_turn(self, job: TurnJob) -> None:
+        """The turn model on a pause (``Session.next_turn_job``), off the event loop; a failure
+        leaves the turn to its timeout."""
+        try:
+            probability: float | None = await self.pipeline.score_turn(job)
+        except (RuntimeError, ValueError, MemoryError) as exc:
+            self.log.warning("turn model failed on job %d: %s", job.job_id, exc)
+            probability = None
+        self._scoring = None
+        try:
+            self.session.receive_turn_score(job, probability)
             self._advance()
         except Exception as exc:
             self._session_failed(exc)

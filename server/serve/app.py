@@ -54,6 +54,7 @@ from server.serve.connection import SHUTDOWN, Connection, close_quietly, refuse
 from server.serve.http_front import FrontProtocol
 from server.serve.rest import RestApp
 from server.serve.routes import Full, process_request
+from server.serve.turn_model import find_turn_model
 
 logger = logging.getLogger("server.serve.app")
 
@@ -92,6 +93,7 @@ class WhisperwireServer:
 
             set_numpy_blas_threads(1)
             self.pipeline.speakers = SpeakerEncoder.load()
+        self.pipeline.turn_model = find_turn_model()
         self.vad = vad or VadConfig()
         self._load_engine = load_engine
         self.rest = RestApp(self)

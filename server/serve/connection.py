@@ -167,6 +167,7 @@ class Connection:
             vad=self.vad,
             multilingual=engine.dims.is_multilingual,
             model=engine.name,
+            turn_model=self.pipeline.turn_model is not None,
         )
         return self.adapter.open_session(settings, self.ws.request)
 
