@@ -51,7 +51,8 @@ from server.core.settings import (
 )
 from server.core.speakers import EmbedJob, SpeakerTracker
 from server.core.transcript import Transcript
-from server.core.turns import TURN_AUDIO_S, TurnConfig, TurnJob, TurnTracker
+from server.core.turn_desk import TurnDesk
+from server.core.turns import TurnConfig, TurnJob
 from server.core.utterance import Utterance
 from server.core.vad import FrameClassifier, SpeechEnded, SpeechStarted, VadEvent
 from server.core.windows import Windows
@@ -110,13 +111,15 @@ class Session:
         self._results = ResultFolder(self._windows)
         self._embedding: EmbedJob | None = None  # the speaker encoder's job in flight
         self._next_embed_id = 0
-        # Conversational turns (``turns.py``), when the stream's settings ask for them:
-        self._turns: TurnTracker | None = None
-        self._turn_job: TurnJob | None = None  # the pause the turn model is scoring
-        self._next_turn_job_id = 0
-        self._speech_ended_at: int | None = None  # the end of the last speech, while silent
-        self._out: list[SessionEvent] = []  # events taken from the emitter, turns added
-        self._windows.also_keep = self._turn_audio_from
+        # Conversational turns, when the stream's settings ask for them:
+        self._turns = TurnDesk(
+            session_id,
+            self._audio,
+            self._windows,
+            take=self._ready_events,
+            end_speech_at_pause=self._end_speech_at_pause,
+        )
+        self._windows.also_keep = self._turns.keep_from
         self._audio_started = False
         self._ended = False
         self._done = False
@@ -208,8 +211,7 @@ class Session:
         self._windows.configure(self.streaming, planner, self.language, self._speakers)
         self._desk.configure(self.streaming, planner, self._settings.task)
         self._results.configure(self.streaming, planner)
-        turns = self._settings.turns
-        self._turns = TurnTracker(turns) if turns is not None else None
+        self._turns.configure(self._settings.turns)
 
     # -- audio in --------------------------------------------------------------------------
     def feed_audio(self, data: bytes) -> None:
@@ -255,32 +257,30 @@ class Session:
         # Ended only now: the flush can release a speculative closing decode that finishes
         # the last utterance, and ``done`` must not go out before the ``Settled`` owed here.
         self._ended = True
-        if self._turns is not None:
-            # The speaker's words so far end their turn (a client that closes the stream asks
-            # for them, as with ForceEndTurn): none is left without an EndOfTurn.
-            self._take_events()
-            self._turns.decide("manual")
+        # The speaker's words so far end their turn (a client that closes the stream asks for
+        # them, as with ForceEndTurn): none is left without an EndOfTurn.
+        self._turns.decide("manual")
         self._windows.unsettled = True
         self._windows.settle_if_closed_finished()
-        self._end_turn_if_final()
+        self._turns.end_if_final()
         self._maybe_done()
 
     def _on_audio(self, events: list[VadEvent]) -> None:
         for event in events:
             self._on_vad(event)
         self._windows.trim()
-        self._check_turn_timeout()
+        self._turns.follow_audio()
 
     def _on_vad(self, event: VadEvent) -> None:
         now_s = self.audio_received_s
         windows = self._windows
         if isinstance(event, SpeechStarted):
-            self._speech_ended_at = None
+            self._turns.speech(ended_at=None)
             start = max(event.start_sample, self._audio.buffer.start)
             windows.open(start)
             windows.text.emit.add(SpeechStartedMessage(start / SAMPLE_RATE_HZ, now_s))
         elif isinstance(event, SpeechEnded):
-            self._speech_ended_at = event.end_sample
+            self._turns.speech(ended_at=event.end_sample)
             windows.text.emit.add(SpeechEndedMessage(event.end_sample / SAMPLE_RATE_HZ, now_s))
             windows.close_open(event.end_sample, reopen=False)
             windows.unsettled = True
@@ -411,125 +411,44 @@ class Session:
     def events_to_send(self) -> list[SessionEvent]:
         """Messages produced since the last call, in order. With speaker labels, a final
         waits (and what follows it) until its words' speakers are known. With turns, each
-        turn event follows the event that made it."""
-        self._take_events()
-        out, self._out = self._out, []
-        return out
+        turn event follows the event that made it (``TurnDesk``)."""
+        return self._turns.drain()
 
-    def _take_events(self) -> None:
+    def _ready_events(self) -> list[SessionEvent]:
         tracker = self._speakers
         # After the end, once every window was heard, nothing more can be learnt.
         all_heard = (
             tracker is not None and self._ended and self._embedding is None and tracker.all_planned
         )
-        now_s = self.audio_received_s
-        for event in self._windows.text.emit.take(tracker, all_heard=all_heard):
-            self._out.append(event)
-            if self._turns is None:
-                continue
-            if isinstance(event, Settled):
-                self._out.extend(self._turns.settled(now_s))
-            else:
-                self._out.extend(self._turns.observe(event, now_s))
+        return self._windows.text.emit.take(tracker, all_heard=all_heard)
 
     # -- conversational turns --------------------------------------------------------------
     def configure_turns(self, config: TurnConfig) -> None:
         """New turn thresholds, at any time (Deepgram Flux's ``Configure``); the stream must
-        have asked for turns (``StreamSettings.turns``)."""
-        if self._turns is None:
-            raise ProtocolError("this stream has no turn detection")
-        self._turns.config = config
+        have asked for turns (``StreamSettings.turns``). Raises ProtocolError."""
+        self._turns.require()
+        self._turns.configure(config)
         self._settings = dataclasses.replace(self._settings, turns=config)
 
     def next_turn_job(self) -> TurnJob | None:
         """The pause heard now, for the turn model, when one is due (``turns.py``), or None."""
-        tracker = self._turns
-        vad = self._audio.vad
-        pause = vad.tentative_end
-        if tracker is None or self._turn_job is not None or not vad.in_speech:
-            return None
-        if pause is None or not tracker.pause_due(pause):
-            return None
-        tracker.scored_to = pause
-        start = max(
-            pause - round(TURN_AUDIO_S * SAMPLE_RATE_HZ),
-            tracker.start_sample or 0,
-            self._audio.buffer.start,
-        )
-        audio = self._audio.slice(start, pause)
-        job = TurnJob(self.session_id, self._next_turn_job_id, audio, pause)
-        self._next_turn_job_id += 1
-        self._turn_job = job
-        return job
+        return self._turns.next_job()
 
     def receive_turn_score(self, job: TurnJob, probability: float | None) -> None:
         """The turn model's probability that ``job``'s pause ends the turn; None: it failed
-        (the turn then ends at the timeout). A score for a pause speech went on after counts
-        for nothing."""
-        if self._turn_job is None or job.job_id != self._turn_job.job_id:
-            return
-        self._turn_job = None
-        tracker = self._turns
-        vad = self._audio.vad
-        if tracker is None or probability is None:
-            return
-        if vad.in_speech and vad.tentative_end != job.pause_end:
-            return  # the speaker went on
-        self._take_events()
-        self._out.extend(tracker.scored(probability, self.audio_received_s))
-        if tracker.deciding:
-            return
-        if vad.in_speech:
-            # The turn ends at this pause: so does its utterance, whose closing decode began
-            # here (speculative_closing), rather than at the VAD's longer endpoint.
-            for event in self._audio.finish_speech(at_pause=True):
-                self._on_vad(event)
-        self._end_turn_if_final()
+        (the turn then ends at its timeout)."""
+        self._turns.receive_score(job, probability)
         self._maybe_done()
 
     def force_end_turn(self) -> None:
         """End the turn now (Deepgram Flux's ``ForceEndTurn``): its speech so far becomes final,
-        then ``EndOfTurn``."""
-        if self._turns is None:
-            raise ProtocolError("this stream has no turn detection")
-        self._take_events()
+        then ``EndOfTurn``. Raises ProtocolError."""
+        self._turns.require()
         self._turns.decide("manual")
         self.flush()
-        self._end_turn_if_final()
+        self._turns.end_if_final()
 
-    def _check_turn_timeout(self) -> None:
-        """Speech after an eager end resumes the turn; a silence of ``eot_timeout_ms`` ends
-        it whatever the model said."""
-        tracker = self._turns
-        if tracker is None or not tracker.deciding:
-            return
-        vad = self._audio.vad
-        if vad.in_speech and vad.tentative_end is None and tracker.eager:
-            self._take_events()
-            self._out.extend(tracker.resumed(self.audio_received_s))
-        silent_since = vad.tentative_end if vad.in_speech else self._speech_ended_at
-        timeout = tracker.config.eot_timeout_ms * SAMPLE_RATE_HZ // 1000
-        if silent_since is None or self._audio.end - silent_since < timeout:
-            return
-        self._take_events()
-        tracker.decide("timeout")
-        if vad.in_speech:
-            for event in self._audio.finish_speech(at_pause=True):
-                self._on_vad(event)
-        self._end_turn_if_final()
-
-    def _end_turn_if_final(self) -> None:
-        """A decided turn whose words are all final ends now (else at the next ``Settled``)."""
-        tracker = self._turns
-        if tracker is None or self._windows.utterances:
-            return
-        self._take_events()
-        self._out.extend(tracker.settled(self.audio_received_s))
-
-    def _turn_audio_from(self) -> int | None:
-        """The buffer keeps an open turn's last seconds for the turn model."""
-        tracker = self._turns
-        if tracker is None or not tracker.deciding:
-            return None
-        start = tracker.start_sample or 0
-        return max(start, self._audio.end - round(TURN_AUDIO_S * SAMPLE_RATE_HZ))
+    def _end_speech_at_pause(self) -> None:
+        """The speech heard ends where its pause began (a turn ended there)."""
+        for event in self._audio.finish_speech(at_pause=True):
+            self._on_vad(event)
