@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import io
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,7 @@ from server.protocol.errors import AudioFormatError, FrameTooLargeError, Protoco
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.serve.app import WhisperwireServer
 from server.serve.cli import build_parser
+from server.serve.wyoming import SERVICE_TYPE, advertised_address, model_languages
 from tests.helpers import Float32Array, ScriptedEngine
 
 if TYPE_CHECKING:
@@ -653,3 +655,54 @@ def test_config_and_flags() -> None:
         True,
     )
     assert build_parser().parse_args([]).wyoming_port is None
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+@session_loop
+async def test_zeroconf_advertises_the_port_unless_on_loopback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    zc = pytest.importorskip("zeroconf")
+    zc_asyncio = pytest.importorskip("zeroconf.asyncio")
+    caplog.set_level(logging.INFO, logger="server.serve.wyoming")
+    async with scripted():
+        pass
+    assert "mDNS" not in caplog.text  # loopback: nobody else could connect
+    address = advertised_address("0.0.0.0")
+    if address is None:
+        pytest.skip("no IPv4 route to the mDNS group on this machine")
+
+    browser_zc = zc_asyncio.AsyncZeroconf()
+    changes: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    def on_change(zeroconf: Any, service_type: str, name: str, state_change: Any) -> None:
+        changes.put_nowait((name, state_change))
+
+    browser = zc_asyncio.AsyncServiceBrowser(
+        browser_zc.zeroconf, SERVICE_TYPE, handlers=[on_change]
+    )
+    try:
+        async with scripted(wyoming=WyomingConfig(port=0, host=address)) as app:
+            if "could not advertise" in caplog.text:
+                pytest.skip("multicast is not available here")
+            name, change = await asyncio.wait_for(changes.get(), 20)
+            assert change is zc.ServiceStateChange.Added
+            info = zc_asyncio.AsyncServiceInfo(SERVICE_TYPE, name)
+            assert await info.async_request(browser_zc.zeroconf, 3000)
+            assert (info.port, info.parsed_addresses()) == (app.wyoming_port, [address])
+        # Shutdown says goodbye, so Home Assistant forgets the address.
+        while change is not zc.ServiceStateChange.Removed:
+            gone, change = await asyncio.wait_for(changes.get(), 20)
+        assert gone == name
+    finally:
+        await browser.async_cancel()
+        await browser_zc.async_close()
+
+
+def test_info_lists_the_languages_of_the_loaded_model() -> None:
+    assert model_languages(False) == ["en"]  # an English-only model
+    multilingual = model_languages(True)  # Whisper's table, as the tokenizer has it
+    assert {"en", "de", "fr", "ja"} <= set(multilingual) and len(multilingual) >= 99
+    assert multilingual == sorted(multilingual)
