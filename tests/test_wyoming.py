@@ -39,6 +39,8 @@ from server.apis.wyoming import (
     MAX_HEADER_BYTES,
     AudioConverter,
     EventDecoder,
+    Started,
+    TranscriptStream,
     WyomingAudioFormat,
     WyomingFramingError,
     encode_event,
@@ -47,6 +49,7 @@ from server.apis.wyoming import (
 from server.config import PipelineConfig, ServerConfig, WyomingConfig
 from server.protocol.errors import AudioFormatError, FrameTooLargeError, ProtocolError
 from server.protocol.formats import SAMPLE_RATE_HZ
+from server.protocol.messages import DoneMessage, ErrorMessage, FinalMessage, PartialMessage
 from server.serve.app import WhisperwireServer
 from server.serve.cli import build_parser
 from server.serve.wyoming import SERVICE_TYPE, advertised_address, model_languages
@@ -571,6 +574,34 @@ def test_decoder_refuses_what_is_not_a_wyoming_event(data: bytes, error: type[Ex
     decoder.receive_data(data)
     with pytest.raises(error):
         decoder.next_event()
+
+
+def test_finals_stream_as_chunks_that_join_into_the_transcript() -> None:
+    stream = TranscriptStream(language=None)  # a session that detects its language
+    messages = [
+        Started(language=None),
+        PartialMessage(0, "Ask not", 0.0, 0.5, 0.6),  # Wyoming streams only final text
+        FinalMessage(0, "Ask not what", 0.0, 0.9, (), 1.0, language="en"),
+        FinalMessage(1, ", your country", 1.0, 1.8, (), 2.0, language="en"),
+        FinalMessage(2, "  ", 2.0, 2.1, (), 2.2),  # nothing to say
+        ErrorMessage("decode_failed", "could not decode 0.4 s", False, 2.3),
+        FinalMessage(3, "can do.", 2.2, 2.9, (), 3.0, language="en"),
+        DoneMessage(segments=4, audio_received_s=3.0, speech_s=2.9, session_s=3.1),
+    ]
+    events = [e for m in messages for e in stream.render(m)]
+    assert [e.type for e in events] == [
+        "transcript-start",
+        "transcript-chunk",
+        "transcript-chunk",
+        "error",
+        "transcript-chunk",
+        "transcript",
+        "transcript-stop",
+    ]
+    chunks_sent = [e.data["text"] for e in events if e.type == "transcript-chunk"]
+    assert chunks_sent == ["Ask not what", ", your country", " can do."]
+    assert events[5].data == {"text": "Ask not what, your country can do.", "language": "en"}
+    assert events[3].data == {"text": "could not decode 0.4 s", "code": "decode_failed"}
 
 
 # --------------------------------------------------------------------------- audio

@@ -24,7 +24,8 @@ set up)::
     -> audio-stop                    <- transcript {text, language}, transcript-stop
 
 The chunks' texts, joined as they are, give the transcript (a chunk after the first starts
-with a space), which is how streaming clients put them together.
+with a space, unless it starts with a closing mark such as a comma), which is how streaming
+clients put them together.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ MAX_CHANNELS = 16
 MIN_DECLARED_RATE_HZ = 1_000
 MAX_DECLARED_RATE_HZ = 384_000
 _RESAMPLE_QUALITY = "HQ"  # as server/protocol/audio.py
+# A final that starts with one of these (a cut fell before a comma) joins the text before it
+# without a space.
+_CLOSING_MARKS = tuple(",.;:!?)]}%…。，、？！")
 
 
 class WyomingFramingError(ProtocolError):
@@ -374,12 +378,12 @@ class TranscriptStream:
 
     def __init__(self, language: str | None) -> None:
         self.language = language  # None: detected; the finals say which
-        self._texts: list[str] = []
+        self._chunks: list[str] = []
 
     @property
     def text(self) -> str:
-        """The transcript so far."""
-        return " ".join(self._texts)
+        """The transcript so far: the chunks sent, joined."""
+        return "".join(self._chunks)
 
     def render(self, message: Outgoing) -> list[Event]:
         if isinstance(message, Started):
@@ -392,8 +396,8 @@ class TranscriptStream:
                 self.language = message.language
             if not text:
                 return []
-            chunk = text if not self._texts else " " + text
-            self._texts.append(text)
+            chunk = text if not self._chunks or text.startswith(_CLOSING_MARKS) else " " + text
+            self._chunks.append(chunk)
             return [TranscriptChunk(text=chunk).event()]
         if isinstance(message, ErrorMessage):
             return [error_event(message.code, message.message)]
