@@ -445,3 +445,33 @@ def with_setting(config: _Config, path: str, value: object) -> _Config:
     elif isinstance(value, list):
         value = tuple(value)
     return dataclasses.replace(config, **{name: value})  # type: ignore[type-var]
+
+
+@dataclass(frozen=True)
+class WyomingConfig:
+    """Home Assistant's Wyoming protocol on a TCP port of its own (server/serve/wyoming.py).
+
+    Wyoming has no authentication (the API key does not apply to it), so it listens on
+    loopback unless the operator names another address.
+    """
+
+    port: int | None = None  # None: not served; 10300 by convention; 0: any free port (tests)
+    host: str = "127.0.0.1"
+    # Advertise _wyoming._tcp.local. over mDNS when the zeroconf package is installed and the
+    # address is not loopback (Home Assistant then offers the server under Discovered).
+    zeroconf: bool = True
+    # A connection with no transcription open that sends nothing for this long is closed; a
+    # transcription itself is bounded by ServerConfig.idle_timeout_s like any stream.
+    idle_connection_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be None (off) or in [0, 65535]; got {self.port}")
+        if not self.host:
+            raise ValueError("host must be an address to listen on, such as 127.0.0.1")
+        if self.idle_connection_s <= 0:
+            raise ValueError(f"idle_connection_s must be > 0; got {self.idle_connection_s}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.port is not None

@@ -152,8 +152,11 @@ LAYERS_BELOW: dict[str, set[str]] = {
     "decode": {"protocol", "core"},
     # The speaker encoder (numpy); the core plans its windows through core.speakers' Protocol.
     "speakers": {"protocol", "core"},
+    # The turn models on onnxruntime; Smart Turn's log-mel is the engine's frontend. The core
+    # asks for scores through core.turns' Protocol.
+    "turns": {"protocol", "core", "engine"},
     "apis": {"protocol", "core", "decode"},
-    "serve": {"protocol", "core", "decode", "apis", "engine", "speakers"},
+    "serve": {"protocol", "core", "decode", "apis", "engine", "speakers", "turns"},
     # Every layer's frozen options; CommitConfig is the commit policy's own.
     "config": {"protocol", "core"},
     "metrics": set(),

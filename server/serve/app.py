@@ -6,7 +6,9 @@ One port serves both the WebSocket protocol of ``docs/protocol.md`` on ``/v1/str
 answered before any handshake (``routes.py``, with the API key and Origin checks of
 ``access.py``). OpenAI's Realtime transcription (``/v1/realtime``) and Deepgram's live API
 (``/v1/listen``) are served by the same connections through their adapters
-(``docs/compat.md``).
+(``docs/compat.md``). Home Assistant's Wyoming protocol, when configured, has a TCP port of
+its own (``wyoming.py``), whose transcriptions are streams on the same pipeline, under the
+same admission, drain and shutdown.
 
 Admission: a new stream is refused when ``max_sessions`` are open, or when as many are open
 as the decode lanes are measured to keep in real time (``Pipeline.capacity``;
@@ -36,7 +38,7 @@ import secrets
 import signal
 import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -45,16 +47,17 @@ from websockets.server import ServerProtocol
 
 from server.apis.registry import STREAM_APIS
 from server.apis.v1_stream import STREAM_PATH
-from server.config import PipelineConfig, ServerConfig, StreamingConfig, VadConfig
+from server.config import PipelineConfig, ServerConfig, StreamingConfig, VadConfig, WyomingConfig
 from server.core.engine_api import SpeechEngine
 from server.decode.pipeline import Pipeline
 from server.metrics import Metrics
 from server.protocol.messages import MAX_TEXT_MESSAGE_BYTES
-from server.serve.connection import SHUTDOWN, Connection, close_quietly, refuse
+from server.serve.connection import SHUTDOWN, Connection, Stop, close_quietly, refuse
 from server.serve.http_front import FrontProtocol
 from server.serve.rest import RestApp
 from server.serve.routes import Full, process_request
 from server.serve.turn_model import find_turn_model
+from server.serve.wyoming import WyomingServer
 
 logger = logging.getLogger("server.serve.app")
 
@@ -64,6 +67,21 @@ FRAME_SIZE_SLACK_BYTES = 64 * 1024
 
 
 # --------------------------------------------------------------------------- the server
+
+
+class ServedStream(Protocol):
+    """An open stream as the server counts and ends it: a WebSocket ``Connection``, or a
+    Wyoming connection while it transcribes."""
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def lag_s(self) -> float: ...
+
+    def request_stop(self, stop: Stop) -> None: ...
+
+    def abort(self) -> None: ...
 
 
 class WhisperwireServer:
@@ -82,8 +100,10 @@ class WhisperwireServer:
         pipeline: PipelineConfig | None = None,
         streaming: StreamingConfig | None = None,
         vad: VadConfig | None = None,
+        wyoming: WyomingConfig | None = None,
     ) -> None:
         self.config = server or ServerConfig()
+        self.wyoming_config = wyoming or WyomingConfig()
         self.metrics = Metrics()
         self.pipeline = Pipeline(pipeline, metrics=self.metrics)
         self.streaming = streaming or StreamingConfig()
@@ -97,8 +117,9 @@ class WhisperwireServer:
         self.vad = vad or VadConfig()
         self._load_engine = load_engine
         self.rest = RestApp(self)
-        self._connections: set[Connection] = set()
+        self._connections: set[ServedStream] = set()
         self._ws_server: Server | None = None
+        self._wyoming: WyomingServer | None = None
         self._port: int | None = None
         self._loading: asyncio.Task[SpeechEngine] | None = None
         self._closing = False
@@ -165,6 +186,15 @@ class WhisperwireServer:
             ssl=ssl_context,
         )
         self._port = int(next(iter(self._ws_server.sockets)).getsockname()[1])
+        if self.wyoming_config.enabled:
+            wyoming = WyomingServer(self, self.wyoming_config)
+            try:
+                await wyoming.start()
+            except OSError:
+                self._ws_server.close()
+                await self._ws_server.wait_closed()
+                raise
+            self._wyoming = wyoming
         self._loading = asyncio.create_task(
             self.pipeline.start(self._load_engine, warmup=c.warmup), name="whisperwire-load"
         )
@@ -198,6 +228,13 @@ class WhisperwireServer:
         if self._port is None:
             raise RuntimeError("the server was not started")
         return self._port
+
+    @property
+    def wyoming_port(self) -> int:
+        """The Wyoming port listened on (``WyomingConfig.port``, or the one chosen for 0)."""
+        if self._wyoming is None:
+            raise RuntimeError("the server does not serve Wyoming")
+        return self._wyoming.port
 
     @property
     def url(self) -> str:
@@ -298,6 +335,8 @@ class WhisperwireServer:
         if self._ws_server is not None:
             # Stop listening; handshakes still in progress are refused with HTTP 503.
             self._ws_server.close(close_connections=False)
+            if self._wyoming is not None:
+                self._wyoming.close()
             for conn in list(self._connections):
                 conn.request_stop(SHUTDOWN)
             try:
@@ -312,6 +351,8 @@ class WhisperwireServer:
                 )
                 self.abort_connections()
                 await self._ws_server.wait_closed()
+        if self._wyoming is not None:
+            await self._wyoming.wait_closed(self.config.shutdown_timeout_s)
         # Uploads being answered finish too (new ones get 503 since the shutdown began).
         await self.rest.wait_finished(self.config.shutdown_timeout_s)
         if self._loading is not None and not self._loading.done():
@@ -384,9 +425,7 @@ class WhisperwireServer:
             vad=self.vad,
             adapter=adapter,
         )
-        self._connections.add(conn)
-        self._no_connections.clear()
-        self.metrics.sessions_active.set(len(self._connections))
+        self.track(conn)
         self.metrics.sessions_total.inc()
         try:
             await conn.run()
@@ -398,11 +437,21 @@ class WhisperwireServer:
                 ws, "internal", "internal server error", 1011, conn.close_timeout_s, adapter
             )
         finally:
-            self._connections.discard(conn)
-            self.metrics.sessions_active.set(len(self._connections))
-            if not self._connections:
-                self._no_connections.set()
-                await self._release_memory()
+            await self.untrack(conn)
+
+    def track(self, stream: ServedStream) -> None:
+        """Count a stream among the open ones: admission, drain, shutdown and metrics."""
+        self._connections.add(stream)
+        self._no_connections.clear()
+        self.metrics.sessions_active.set(len(self._connections))
+
+    async def untrack(self, stream: ServedStream) -> None:
+        """The stream ended."""
+        self._connections.discard(stream)
+        self.metrics.sessions_active.set(len(self._connections))
+        if not self._connections:
+            self._no_connections.set()
+            await self._release_memory()
 
     async def _release_memory(self) -> None:
         try:
@@ -421,6 +470,7 @@ async def run_server(
     pipeline: PipelineConfig | None = None,
     streaming: StreamingConfig | None = None,
     vad: VadConfig | None = None,
+    wyoming: WyomingConfig | None = None,
     on_ready: Callable[[WhisperwireServer], None] | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, then shut down gracefully: on SIGTERM drain first
@@ -430,7 +480,12 @@ async def run_server(
     Raises what loading the model raised (``ModelError``), after closing the socket.
     """
     app = WhisperwireServer(
-        load_engine, server=server, pipeline=pipeline, streaming=streaming, vad=vad
+        load_engine,
+        server=server,
+        pipeline=pipeline,
+        streaming=streaming,
+        vad=vad,
+        wyoming=wyoming,
     )
     loop = asyncio.get_running_loop()
     stop: asyncio.Future[signal.Signals] = loop.create_future()

@@ -14,6 +14,8 @@
                        [--max-session-s 14400] [--idle-timeout-s 30] [--api-key KEY]
                        [--allowed-origin URL ...]
                        [--tls-cert PEM --tls-key PEM] [--drain-s 0] [--log-level info]
+                       [--wyoming-port 10300 [--wyoming-host 127.0.0.1]
+                        [--no-wyoming-zeroconf]]
 
 SIGTERM drains for up to ``--drain-s`` (new sessions refused, open ones served), then
 finishes the open sessions (finals, ``done``, close 1001); SIGINT finishes them at once; a
@@ -43,6 +45,7 @@ from server.config import (
     PipelineConfig,
     ServerConfig,
     StreamingConfig,
+    WyomingConfig,
     with_setting,
 )
 from server.core.policy import CommitConfig
@@ -88,6 +91,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--tls-cert", metavar="PEM", help="certificate chain; serves wss:// with --tls-key"
     )
     net.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")
+
+    wyoming = parser.add_argument_group("Home Assistant (Wyoming protocol; docs/home-assistant.md)")
+    wyoming.add_argument(
+        "--wyoming-port",
+        type=int,
+        metavar="PORT",
+        help="also serve speech-to-text over the Wyoming protocol on this TCP port "
+        "(10300 by convention; default: not served)",
+    )
+    wyoming.add_argument(
+        "--wyoming-host",
+        default=WyomingConfig().host,
+        help="address for --wyoming-port (default %(default)s: this machine only; Wyoming has "
+        "no authentication, so name another address only on a network you trust)",
+    )
+    wyoming.add_argument(
+        "--wyoming-zeroconf",
+        action=argparse.BooleanOptionalAction,
+        default=WyomingConfig().zeroconf,
+        help="advertise the Wyoming port over mDNS for Home Assistant's discovery, when the "
+        "zeroconf package is installed and --wyoming-host is not loopback (default: %(default)s)",
+    )
 
     model = parser.add_argument_group("model")
     model.add_argument(
@@ -429,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         for pair in args.set:
             streaming = _with_pair(streaming, pair)
         pipeline = pipeline_config(args)
+        wyoming = WyomingConfig(
+            port=args.wyoming_port, host=args.wyoming_host, zeroconf=args.wyoming_zeroconf
+        )
         from server.engine.engine import EngineConfig
 
         engine_config = EngineConfig(
@@ -464,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
                 server=server,
                 pipeline=pipeline,
                 streaming=streaming,
+                wyoming=wyoming,
             )
         )
     except ModelError as exc:
@@ -475,7 +504,10 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"cannot use --tls-cert/--tls-key: {exc}")
     except OSError as exc:
         if exc.errno in _LISTEN_ERRNOS:
-            return _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+            where = f"{args.host}:{args.port}"
+            if wyoming.enabled:
+                where += f" or (Wyoming) {wyoming.host}:{wyoming.port}"
+            return _fail(f"cannot listen on {where}: {exc.strerror or exc}")
         raise
     except KeyboardInterrupt:
         # A second Ctrl-C while shutting down: leave without waiting for the sessions.
