@@ -156,7 +156,7 @@ class FluxAdapter:
             dataclasses.replace(
                 session.settings,
                 language="en" if not settings.multilingual else None,
-                finals="utterance",
+                finals=settings.streaming.agent_finals,
                 turns=options.turns,
             )
         )

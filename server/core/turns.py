@@ -95,6 +95,9 @@ class TurnScorer(Protocol):
 
     def score(self, audio_16k: Float32Array) -> float: ...
 
+    def load(self) -> None:
+        """Get ready to score (a model loaded on first use loads now)."""
+
 
 @dataclass(frozen=True)
 class TurnJob:

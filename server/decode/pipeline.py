@@ -481,6 +481,12 @@ class Pipeline:
         mel = await loop.run_in_executor(self._features_pool, engine.features, job.audio)
         return Window(mel, job.request)
 
+    def prepare_turn_model(self) -> None:
+        """A stream asks for turns: load the turn model in its thread now, if it is not."""
+        model = self.turn_model
+        if model is not None and not self._closed:
+            self._turns_pool.submit(model.load)
+
     async def score_turn(self, job: TurnJob) -> float:
         """The turn model's probability that ``job``'s pause ends the turn. Raises
         RuntimeError when the server has no turn model or is shutting down, and what the model

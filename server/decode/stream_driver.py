@@ -74,6 +74,8 @@ class StreamDriver:
         self._registered = True
         pipeline.add_stream()
         pipeline.offer_seats(self._take_seat)
+        if session.settings.turns is not None:
+            pipeline.prepare_turn_model()
 
     # -- input -----------------------------------------------------------------------------
     @property

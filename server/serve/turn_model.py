@@ -31,14 +31,21 @@ class LazyTurnModel:
         self._lock = threading.Lock()
         self._model: object | None = None
 
-    def score(self, audio_16k: npt.NDArray[np.float32]) -> float:
+    def load(self) -> None:
+        """Load the model now (the first stream that asks for turns does, in the turn model's
+        thread, so its first pause does not wait for it)."""
         from server.turns.smart_turn import SmartTurn, SmartTurnConfig
 
         with self._lock:
             if self._model is None:
                 self._model = SmartTurn(SmartTurnConfig(model_path=self.path))
                 logger.info("turn model loaded from %s", self.path)
-            model = self._model
+
+    def score(self, audio_16k: npt.NDArray[np.float32]) -> float:
+        from server.turns.smart_turn import SmartTurn
+
+        self.load()
+        model = self._model
         assert isinstance(model, SmartTurn)
         return model.score(audio_16k)
 
