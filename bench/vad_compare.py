@@ -27,8 +27,9 @@ calls speech, what a frame costs; and the words the whole core makes of 30 s of 
 5. The core on speech (``--parts accuracy``, not run by default: on this 2-core machine it
    takes about a minute a clip): the 40 test-other clips (``--accuracy-clips``, spread over
    the four chapters), 1 s before and 1.5 s after, clean and under pink noise 10 dB down,
-   streamed through the core the same way with each VAD: word errors and end of speech to
-   final (simulated clock).
+   streamed through the core the same way with each VAD: word errors, end of speech to final
+   as bench-accuracy counts it (from the last final word's decoded end), and the last final's
+   arrival after the clip's speech ends (energy bounds; simulated clock).
 
 Output: ``bench/results/vad-compare.json`` and tables; the last line is one JSON object with
 the headline figures.
@@ -62,6 +63,7 @@ from server.engine.engine import Engine, EngineConfig
 from server.engine.offline import transcribe_audio
 from server.protocol.audio import pcm_s16le_bytes
 from server.protocol.formats import SAMPLE_RATE_HZ
+from server.protocol.messages import FinalMessage
 from server.turns.silero_vad import (
     FRAME_SAMPLES,
     SileroModel,
@@ -382,6 +384,7 @@ def measure_accuracy(engine: Engine, model: SileroModel, clips_n: int) -> dict[s
         stream = np.concatenate([before, clip, after])
         bed = noise("pink", stream.size / SAMPLE_RATE_HZ, SEED + 1000 + i)
         noisy = stream + at_level(bed, speech_dbfs(clip) - NOISY_SNR_DB)
+        speech_end_s = BEFORE_S + energy_bounds_s(clip)[1]
         out: dict[str, Any] = {
             "file": row.file,
             "ref_words": count_errors(row.transcript, "").ref_words,
@@ -398,6 +401,13 @@ def measure_accuracy(engine: Engine, model: SileroModel, clips_n: int) -> dict[s
                 out[f"{condition}_{name}_eos_to_final_s"] = [
                     round(x, 3) for x in result.end_of_speech_to_final_s()
                 ]
+                # The word-time figure above moves with the decode's alignment of the last
+                # word, which differs between runs that cut different windows; the clock time
+                # of the last final after where the speech really ends does not.
+                finals = [e.at_s for e in result.events if isinstance(e.message, FinalMessage)]
+                out[f"{condition}_{name}_last_final_after_speech_s"] = (
+                    round(max(finals) - speech_end_s, 3) if finals else None
+                )
         clips.append(out)
         print(
             f"{row.file:50s} "
@@ -412,9 +422,18 @@ def measure_accuracy(engine: Engine, model: SileroModel, clips_n: int) -> dict[s
         for name in ("webrtcvad", "silero"):
             errors = sum(c[f"{condition}_{name}_errors"] for c in clips)
             waits = sorted(x for c in clips for x in c[f"{condition}_{name}_eos_to_final_s"])
+            arrivals: list[float] = sorted(
+                x
+                for c in clips
+                if (x := c[f"{condition}_{name}_last_final_after_speech_s"]) is not None
+            )
             summary_[f"{condition}_{name}"] = {
                 "errors": errors,
                 "wer": round(errors / words, 4),
+                "last_final_after_speech_p50_s": (
+                    round(statistics.median(arrivals), 3) if arrivals else None
+                ),
+                "last_final_after_speech_max_s": arrivals[-1] if arrivals else None,
                 "eos_to_final_p50_s": round(statistics.median(waits), 3) if waits else None,
                 "eos_to_final_p95_s": (
                     round(waits[min(len(waits) - 1, round(0.95 * (len(waits) - 1)))], 3)

@@ -49,7 +49,9 @@ class SileroVadConfig:
     # Inside speech a frame counts as silence only below threshold - negative_margin:
     # probabilities dip between syllables, and Silero's own get_speech_timestamps uses 0.15.
     negative_margin: float = 0.15
-    threads: int = 1  # onnxruntime intra-op threads; the network is tiny (bench: ~0.1 ms)
+    # onnxruntime intra-op threads; one is plenty: a frame costs about 0.25 ms of CPU, under
+    # 1% of a core per stream (bench/vad_compare.py).
+    threads: int = 1
 
     def __post_init__(self) -> None:
         if not 0 < self.threshold < 1:

@@ -44,8 +44,9 @@ class SmartTurnConfig:
     """Where the Smart Turn model is and how many cores one call may use."""
 
     model_path: Path | None = None  # None: smart-turn-v3.2-cpu.onnx in the pipecat-ai wheel
-    # onnxruntime intra-op threads per call. One: a score is ~tens of ms and every extra thread
-    # is taken from the Whisper decodes on the same cores (bench/turn_model.py measures both).
+    # onnxruntime intra-op threads per call. One: a score costs about 110 ms of CPU on a
+    # 2-core AVX2 machine, and a second thread took more CPU (166 ms) for no shorter wait
+    # there, away from the Whisper decodes on the same cores (bench/turn_model.py).
     threads: int = 1
 
     def __post_init__(self) -> None:
