@@ -1,6 +1,7 @@
 """Pipecat's own speech-to-text services against a real server on loopback, each unchanged but
-for its base URL: ``DeepgramSTTService`` streams over ``/v1/listen`` (WebSocket) and
-``OpenAISTTService`` posts each utterance its VAD cut out to ``/v1/audio/transcriptions``.
+for its base URL: ``DeepgramSTTService`` streams over ``/v1/listen`` (WebSocket),
+``DeepgramFluxSTTService`` over ``/v2/listen`` (turns), and ``OpenAISTTService`` posts each
+utterance its VAD cut out to ``/v1/audio/transcriptions``.
 
 They are driven as a Pipecat bot drives them: a pipeline of Pipecat's Silero VAD processor,
 the service and a sink (Pipecat's own ``QueuedFrameProcessor`` from ``pipecat.tests.utils``,
@@ -33,6 +34,7 @@ from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.audio.vad_processor import VADProcessor
 from pipecat.processors.frame_processor import FrameDirection
+from pipecat.services.deepgram.flux.stt import DeepgramFluxSTTService
 from pipecat.services.deepgram.stt import DeepgramSTTService
 from pipecat.services.openai.stt import OpenAISTTService
 from pipecat.services.stt_service import STTService
@@ -177,3 +179,33 @@ async def test_pipecats_openai_service_transcribes_each_utterance_by_the_rest_ap
     assert all(isinstance(f.result, Transcription) and f.finalized for f in finals)
     text = " ".join(f.text for f in finals)
     assert wer(reference(manifest, CLIP), text) <= MAX_WER_CLIP, text
+
+
+class TurnEndedFluxSTT(DeepgramFluxSTTService):
+    """Pipecat's Deepgram Flux service, unchanged but for noting each ``EndOfTurn`` it handled:
+    the test ends the bot's pipeline once the turn it spoke has ended."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.turn_ended = asyncio.Event()
+
+    async def _handle_end_of_turn(self, transcript: str, data: dict[str, Any]) -> None:
+        await super()._handle_end_of_turn(transcript, data)
+        self.turn_ended.set()
+
+
+async def test_pipecats_deepgram_flux_service_gets_the_turn_with_only_its_url_changed(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    """``DeepgramFluxSTTService(url="ws://HOST:PORT/v2/listen")`` with its defaults: the turn a
+    sentence read aloud makes ends with a final transcription frame of it."""
+    clip = "ljspeech/LJ001-0005.wav"  # ends a sentence
+    stt = TurnEndedFluxSTT(api_key="unused", url=f"{server_url}/v2/listen")
+    audio = np.concatenate(
+        [load_clip(speech_dir / clip), np.zeros(int(2.5 * SAMPLE_RATE_HZ), np.float32)]
+    )
+    down, up = await run_bot(stt, audio, until=stt.turn_ended)
+    assert not [f for f in up + down if isinstance(f, ErrorFrame)]
+    finals = [f.text for f in down if isinstance(f, TranscriptionFrame)]
+    assert finals
+    assert wer(reference(manifest, clip), " ".join(finals)) <= MAX_WER_CLIP, finals
