@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 
 .PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-gpu bench-beam bench-streaming bench-capacity bench-speakers bench-uploads bench-vocabulary clean
-.PHONY: peer bench-latency bench-accuracy bench-ablation bench-served tmux bench-turn-model bench-vad
+.PHONY: peer bench-latency bench-accuracy bench-ablation bench-turns bench-wyoming bench-served tmux bench-turn-model bench-vad
 
 install: $(STAMP)
 
@@ -121,6 +121,15 @@ bench-accuracy: $(STAMP)
 # (bench/README.md, "Rule ablation"). BENCH_ABLATION_ARGS: e.g. --rules stalled_tail --sets test_other
 bench-ablation: $(STAMP)
 	$(PY) -m bench.ablation $(BENCH_ABLATION_ARGS)
+
+# Conversational turns through /v2/listen (Deepgram Flux): end of turn after the last word, WER,
+# false ends. BENCH_TURNS_ARGS: e.g. --limit 10 --streams 4 --eot-threshold 0.8
+bench-turns: $(STAMP)
+	$(PY) -m bench.turns $(BENCH_TURNS_ARGS)
+
+# Home Assistant's Wyoming protocol: audio-stop to transcript on the test-other clips.
+bench-wyoming: $(STAMP)
+	$(PY) -m bench.wyoming $(BENCH_WYOMING_ARGS)
 
 bench-served: $(STAMP)
 	$(PY) -m bench.served $(BENCH_SERVED_ARGS)
