@@ -5,10 +5,11 @@
 
 Every clip is streamed through ``Session`` in simulated real time at the modelled decode cost
 (``bench.accuracy.modelled_cost_s``), so window positions, and so the text, are the same on
-every run. The baseline runs with every rule on, then once per rule named in
-``server.core.rules.RULES`` (``RulesConfig.disabled``) with that rule
-off. Per run and set: errors against the reference, final latency p95, end of speech to final
-p50 / p95 (the turn end), flicker, and how often each rule fired (``Session.rule_counts``).
+every run. The baseline runs with every rule on, then once per rule of
+``server.core.rules.RULES`` (``RulesConfig.disabled``) switched off. Per run and set: errors
+against the reference, final latency p95, end of speech to final p50 / p95 (the turn end),
+flicker, the first partial's latency from the speech onset (p50), and how often each rule
+fired (``Session.rule_counts``).
 
 The noise: a rule's effect counts only where it exceeds what timing alone moves. The baseline
 is repeated with every decode charged 10% less and 10% more (``--noise-scales``); the spread of
@@ -144,6 +145,7 @@ def run_set(
     errors = words = 0
     finals: list[float] = []
     turn_ends: list[float] = []
+    first_partials: list[float] = []
     changed = shown = 0
     fired: Counter[str] = Counter()
     per_clip: dict[str, Any] = {}
@@ -162,6 +164,9 @@ def run_set(
         words += counts.ref_words
         finals += result.final_latencies_s()
         turn_ends += result.end_of_speech_to_final_s()
+        first = result.first_partial_latency_s()
+        if first is not None:
+            first_partials.append(first)
         c, s = result.flicker()
         changed += c
         shown += s
@@ -178,6 +183,7 @@ def run_set(
         "turn_end_p50_s": _p(turn_ends, 0.5),
         "turn_end_p95_s": _p(turn_ends, 0.95),
         "flicker": round(changed / shown, 3) if shown else None,
+        "first_partial_p50_s": _p(first_partials, 0.5),
         "fired": dict(sorted(fired.items())),
         "clips": per_clip,
     }
@@ -279,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{name:28s} {label:26s} errors {run['errors']:4d}/{run['ref_words']:4d}"
                     f"  final p95 {run['final_p95_s']}  turn end {run['turn_end_p50_s']}/"
-                    f"{run['turn_end_p95_s']}  flicker {run['flicker']}  clips changed {moved}"
+                    f"{run['turn_end_p95_s']}  flicker {run['flicker']}  first partial "
+                    f"{run['first_partial_p50_s']}  clips changed {moved}"
                     f"  decodes {cache.misses} new, {cache.hits} cached",
                     flush=True,
                 )
