@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from server.engine.blas import import_mlx
 from server.engine.model import ModelDimensions
 from server.protocol.errors import ModelError, ModelFormatError, ModelNotFoundError
 from tests.helpers import REPO, TINY_EN_DIMS
+from tests.hub_server import LoopbackHub, serve_hub
 
 TINY_EN = ModelDimensions(**TINY_EN_DIMS)
 
@@ -275,3 +278,115 @@ def test_transcribe_with_a_corrupt_model_folder_exits_with_one_clear_line(
         _transcribe(speech_dir / "misc_en" / "jfk.wav", str(folder), tmp_path / "cache")
     )
     assert "truncated" in line and str(folder) in line
+
+
+# --- the Hugging Face hub, on a loopback port ---------------------------------------------------
+
+TOKEN = "hf_loopback_token"
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """tiny.en in each layout the hub serves, built once for this module."""
+
+    ct2: Path  # faster-whisper's: model.bin, config.json, tokenizer.json, vocabulary.txt
+    mlx_fp16: Path  # mlx-community's: config.json, weights.npz in float16
+    mlx_8bit: Path  # mlx-community's quantized: config.json with quantization, safetensors
+    other: Path  # a repository that holds no Whisper model
+
+
+@pytest.fixture(scope="module")
+def layouts(tiny_en_ct2: Path, tmp_path_factory: pytest.TempPathFactory) -> Layouts:
+    mx = import_mlx()
+    root = tmp_path_factory.mktemp("layouts")
+    fp32 = store.convert_ct2(tiny_en_ct2, [tiny_en_ct2 / "model.bin"], root / "fp32")
+    config = json.loads((fp32 / "config.json").read_text())
+    weights = mx.load(str(fp32 / "weights.safetensors"))
+    fp16 = root / "mlx-fp16"
+    fp16.mkdir()
+    (fp16 / "config.json").write_text(json.dumps(config))
+    mx.savez(str(fp16 / "weights.npz"), **{k: v.astype(mx.float16) for k, v in weights.items()})
+    q8 = root / "mlx-8bit"
+    q8.mkdir()
+    loaded = store.load_model(str(fp32), dtype="float16")
+    loaded.model.quantize_layers(64, 8, lambda path: "conv" not in path)
+    flat = dict(store._flatten(loaded.model.parameters()))
+    mx.save_safetensors(str(q8 / "weights.safetensors"), flat)
+    (q8 / "config.json").write_text(
+        json.dumps({**config, "quantization": {"group_size": 64, "bits": 8}})
+    )
+    other = root / "other"
+    other.mkdir()
+    (other / "README.md").write_text("a language model")
+    (other / "pytorch_model.bin").write_bytes(b"\0" * 64)
+    return Layouts(tiny_en_ct2, fp16, q8, other)
+
+
+@pytest.fixture(scope="module")
+def hub(layouts: Layouts) -> Iterator[LoopbackHub]:
+    state = LoopbackHub()
+    state.add_repo("Systran/faster-whisper-tiny.en", layouts.ct2)
+    state.add_repo("mlx-community/whisper-tiny.en-mlx", layouts.mlx_fp16)
+    state.add_repo("mlx-community/whisper-tiny.en-mlx-8bit", layouts.mlx_8bit)
+    # Registry names whose first repository the hub lacks, served by their second: the
+    # weights are tiny.en's (the only ones here), under the names the registry asks for.
+    state.add_repo("Systran/faster-whisper-small.en", layouts.ct2)
+    state.add_repo("acme/gated-whisper", layouts.mlx_fp16, token=TOKEN, gated=True)
+    state.add_repo("acme/private-whisper", layouts.ct2, token=TOKEN)
+    state.add_repo("acme/not-a-model", layouts.other)
+    with serve_hub(state) as served:
+        yield served
+
+
+@pytest.fixture
+def hub_env(
+    hub: LoopbackHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[LoopbackHub]:
+    """HF_ENDPOINT at the loopback hub, an empty hub cache and model cache, no token."""
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-hub"))
+    monkeypatch.setenv(store.CACHE_ENV, str(tmp_path / "whisperwire"))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    hub.clear()
+    yield hub
+    hub.clear()
+
+
+def _text(loaded: store.LoadedModel, clip: Path) -> str:
+    """The clip transcribed greedily by this loaded model, through the engine."""
+    from server.core.engine_api import DecodeOptions
+    from server.engine.engine import Engine, EngineConfig
+    from server.engine.offline import transcribe_audio
+    from server.protocol.audio import read_audio_file
+
+    engine = Engine(loaded, EngineConfig(model=str(loaded.source)))
+    options = DecodeOptions(language="en", word_timestamps=False, beam_size=1)
+    return transcribe_audio(engine, read_audio_file(clip), options).text
+
+
+def _words(text: str) -> list[str]:
+    return "".join(c for c in text.lower() if c.isalpha() or c.isspace()).split()
+
+
+JFK = ("ask", "not", "what", "your", "country", "can", "do", "for", "you")
+
+
+def test_a_ct2_repository_is_fetched_converted_and_transcribes(
+    hub_env: LoopbackHub, speech_dir: Path, tmp_path: Path
+) -> None:
+    loaded = store.load_model("Systran/faster-whisper-tiny.en", dtype="float32")
+    assert loaded.dims == TINY_EN
+    assert loaded.source.is_relative_to(tmp_path / "whisperwire" / "converted")
+    words = _words(_text(loaded, speech_dir / "misc_en" / "jfk.wav"))
+    assert all(w in words for w in JFK), words
+    snapshot = tmp_path / "hf-hub" / "models--Systran--faster-whisper-tiny.en" / "snapshots"
+    (commit,) = [p.name for p in snapshot.iterdir()]
+    assert commit == hub_env.repos["Systran/faster-whisper-tiny.en"].commit
+    # The whole faster-whisper folder, tokenizer files included, lands in the shared cache.
+    assert sorted(p.name for p in (snapshot / commit).iterdir()) == sorted(
+        hub_env.repos["Systran/faster-whisper-tiny.en"].files
+    )
+    paths = {s.path for s in hub_env.seen()}
+    assert "/api/models/Systran/faster-whisper-tiny.en/revision/main" in paths
+    assert any(p.endswith("/resolve/" + commit + "/model.bin") for p in paths), paths
