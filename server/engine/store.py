@@ -470,7 +470,7 @@ def fetch_repo(
     )
 
     cache_dir = hub_cache_dir()
-    if not refresh:
+    if not refresh or hub_offline():
         cached = cached_hub_folder(repo, revision)
         if cached is not None:
             logger.info("using %s from the hub cache (%s)", repo, cached)
