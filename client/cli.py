@@ -9,6 +9,7 @@ a file in-process.
                        [--retries 5]
     whisperwire transcribe FILE [--model tiny.en] [--language en] [--task transcribe]
                                 [--format text|srt|vtt] [--beam-size 5] [--no-fallback]
+    whisperwire models [pull NAME]     (``client.models``)
 
 On a terminal, ``live`` captions flow: finals fill the line at the terminal's width, the
 partial is redrawn after them, and a line ends with its utterance (``client.render``).
@@ -36,6 +37,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from client import models
 from client.reconnect import RetryPolicy, stream_with_reconnect
 from client.render import FORMATS, Renderer, TerminalRenderer, format_stats, make_renderer
 from client.sources import (
@@ -222,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         "log-probability is low is decoded again by sampling at rising temperatures)",
     )
     transcribe.set_defaults(run=_run_transcribe_command)
+    models.add_parser(commands)
     return parser
 
 

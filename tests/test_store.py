@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from server.engine.blas import import_mlx
 from server.engine.model import ModelDimensions
 from server.protocol.errors import ModelError, ModelFormatError, ModelNotFoundError
 from tests.helpers import REPO, TINY_EN_DIMS
+from tests.hub_server import LoopbackHub, serve_hub
 
 TINY_EN = ModelDimensions(**TINY_EN_DIMS)
 
@@ -275,3 +278,298 @@ def test_transcribe_with_a_corrupt_model_folder_exits_with_one_clear_line(
         _transcribe(speech_dir / "misc_en" / "jfk.wav", str(folder), tmp_path / "cache")
     )
     assert "truncated" in line and str(folder) in line
+
+
+# --- the Hugging Face hub, on a loopback port ---------------------------------------------------
+
+TOKEN = "hf_loopback_token"
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """tiny.en in each layout the hub serves, built once for this module."""
+
+    ct2: Path  # faster-whisper's: model.bin, config.json, tokenizer.json, vocabulary.txt
+    mlx_fp16: Path  # mlx-community's: config.json, weights.npz in float16
+    mlx_8bit: Path  # mlx-community's quantized: config.json with quantization, safetensors
+    other: Path  # a repository that holds no Whisper model
+
+
+@pytest.fixture(scope="module")
+def layouts(tiny_en_ct2: Path, tmp_path_factory: pytest.TempPathFactory) -> Layouts:
+    mx = import_mlx()
+    root = tmp_path_factory.mktemp("layouts")
+    fp32 = store.convert_ct2(tiny_en_ct2, [tiny_en_ct2 / "model.bin"], root / "fp32")
+    config = json.loads((fp32 / "config.json").read_text())
+    weights = mx.load(str(fp32 / "weights.safetensors"))
+    fp16 = root / "mlx-fp16"
+    fp16.mkdir()
+    (fp16 / "config.json").write_text(json.dumps(config))
+    mx.savez(str(fp16 / "weights.npz"), **{k: v.astype(mx.float16) for k, v in weights.items()})
+    q8 = root / "mlx-8bit"
+    q8.mkdir()
+    loaded = store.load_model(str(fp32), dtype="float32")
+    loaded.model.quantize_layers(64, 8, lambda path: "conv" not in path)
+    flat = dict(store._flatten(loaded.model.parameters()))
+    mx.save_safetensors(str(q8 / "weights.safetensors"), flat)
+    (q8 / "config.json").write_text(
+        json.dumps({**config, "quantization": {"group_size": 64, "bits": 8}})
+    )
+    other = root / "other"
+    other.mkdir()
+    (other / "README.md").write_text("a language model")
+    (other / "pytorch_model.bin").write_bytes(b"\0" * 64)
+    return Layouts(tiny_en_ct2, fp16, q8, other)
+
+
+@pytest.fixture(scope="module")
+def hub(layouts: Layouts) -> Iterator[LoopbackHub]:
+    state = LoopbackHub()
+    state.add_repo("Systran/faster-whisper-tiny.en", layouts.ct2)
+    state.add_repo("mlx-community/whisper-tiny.en-mlx", layouts.mlx_fp16)
+    state.add_repo("mlx-community/whisper-tiny.en-mlx-8bit", layouts.mlx_8bit)
+    # Registry names whose first repository the hub lacks, served by their second: the
+    # weights are tiny.en's (the only ones here), under the names the registry asks for.
+    state.add_repo("Systran/faster-whisper-small.en", layouts.ct2)
+    state.add_repo("acme/gated-whisper", layouts.mlx_fp16, token=TOKEN, gated=True)
+    state.add_repo("acme/private-whisper", layouts.ct2, token=TOKEN)
+    state.add_repo("acme/not-a-model", layouts.other)
+    with serve_hub(state) as served:
+        yield served
+
+
+@pytest.fixture
+def hub_env(
+    hub: LoopbackHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[LoopbackHub]:
+    """HF_ENDPOINT at the loopback hub, an empty hub cache and model cache, no token."""
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-hub"))
+    monkeypatch.setenv(store.CACHE_ENV, str(tmp_path / "whisperwire"))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    hub.clear()
+    yield hub
+    hub.clear()
+
+
+def _text(loaded: store.LoadedModel, clip: Path) -> str:
+    """The clip transcribed greedily by this loaded model, through the engine."""
+    from server.core.engine_api import DecodeOptions
+    from server.engine.engine import Engine, EngineConfig
+    from server.engine.offline import transcribe_audio
+    from server.protocol.audio import read_audio_file
+
+    engine = Engine(loaded, EngineConfig(model=str(loaded.source)))
+    options = DecodeOptions(language="en", word_timestamps=False, beam_size=1)
+    return transcribe_audio(engine, read_audio_file(clip), options).text
+
+
+def _words(text: str) -> list[str]:
+    return "".join(c for c in text.lower() if c.isalpha() or c.isspace()).split()
+
+
+JFK = ("ask", "not", "what", "your", "country", "can", "do", "for", "you")
+
+
+def test_a_ct2_repository_is_fetched_converted_and_transcribes(
+    hub_env: LoopbackHub, speech_dir: Path, tmp_path: Path
+) -> None:
+    loaded = store.load_model("Systran/faster-whisper-tiny.en", dtype="float32")
+    assert loaded.dims == TINY_EN
+    assert loaded.source.is_relative_to(tmp_path / "whisperwire" / "converted")
+    words = _words(_text(loaded, speech_dir / "misc_en" / "jfk.wav"))
+    assert all(w in words for w in JFK), words
+    snapshot = tmp_path / "hf-hub" / "models--Systran--faster-whisper-tiny.en" / "snapshots"
+    (commit,) = [p.name for p in snapshot.iterdir()]
+    assert commit == hub_env.repos["Systran/faster-whisper-tiny.en"].commit
+    # The whole faster-whisper folder, tokenizer files included, lands in the shared cache.
+    assert sorted(p.name for p in (snapshot / commit).iterdir()) == sorted(
+        hub_env.repos["Systran/faster-whisper-tiny.en"].files
+    )
+    paths = {s.path for s in hub_env.seen()}
+    assert "/api/models/Systran/faster-whisper-tiny.en/revision/main" in paths
+    assert any(p.endswith("/resolve/" + commit + "/model.bin") for p in paths), paths
+
+
+def test_an_mlx_fp16_repository_loads_from_the_hub_cache_and_transcribes(
+    hub_env: LoopbackHub, speech_dir: Path, tmp_path: Path
+) -> None:
+    loaded = store.load_model("mlx-community/whisper-tiny.en-mlx", dtype="float32")
+    # Loaded in place from the shared cache's snapshot: MLX weights need no conversion.
+    assert loaded.source.is_relative_to(tmp_path / "hf-hub")
+    assert (loaded.source / "weights.npz").is_symlink()
+    assert loaded.dims == TINY_EN and loaded.quantization is None
+    mx = import_mlx()
+    assert loaded.model.decoder.token_embedding.weight.dtype == mx.float32
+    words = _words(_text(loaded, speech_dir / "misc_en" / "jfk.wav"))
+    assert all(w in words for w in JFK), words
+
+
+def test_an_8bit_quantized_mlx_repository_loads_quantized_and_transcribes(
+    hub_env: LoopbackHub, speech_dir: Path
+) -> None:
+    import mlx.nn as nn
+
+    loaded = store.load_model("mlx-community/whisper-tiny.en-mlx-8bit", dtype="float32")
+    assert loaded.quantization == (64, 8)
+    assert isinstance(loaded.model.decoder.token_embedding, nn.QuantizedEmbedding)
+    assert isinstance(loaded.model.encoder.blocks[0].mlp1, nn.QuantizedLinear)
+    assert not isinstance(loaded.model.encoder.conv1, nn.QuantizedLinear)
+    words = _words(_text(loaded, speech_dir / "misc_en" / "jfk.wav"))
+    assert all(w in words for w in JFK), words
+
+
+def test_a_registry_name_tries_its_repositories_in_order(hub_env: LoopbackHub) -> None:
+    # small.en's mlx-community repository is not on this hub; its faster-whisper one is.
+    assert store.hub_repos("small.en") == (
+        "mlx-community/whisper-small.en-mlx",
+        "Systran/faster-whisper-small.en",
+    )
+    loaded = store.load_model("small.en", dtype="float32")
+    assert loaded.name == "small.en" and loaded.dims == TINY_EN
+    paths = [s.path for s in hub_env.seen()]
+    first = paths.index("/api/models/mlx-community/whisper-small.en-mlx/revision/main")
+    assert first < paths.index("/api/models/Systran/faster-whisper-small.en/revision/main")
+
+
+def test_registry_names_map_to_the_hubs_real_repositories() -> None:
+    # The hub's names are irregular: large-v3-turbo's MLX repository has no -mlx suffix.
+    assert store.hub_repos("large-v3-turbo")[0] == "mlx-community/whisper-large-v3-turbo"
+    assert store.hub_repos("large-v3")[0] == "mlx-community/whisper-large-v3-mlx"
+    assert store.hub_repos("tiny.en")[0] == "mlx-community/whisper-tiny.en-mlx"
+    assert "deepdml/faster-whisper-large-v3-turbo-ct2" in store.hub_repos("large-v3-turbo")
+    assert set(store.available_models()) >= {"tiny", "base.en", "small", "medium", "large-v2"}
+
+
+def test_a_cached_model_loads_with_no_request_to_the_hub(hub_env: LoopbackHub) -> None:
+    first = store.load_model("mlx-community/whisper-tiny.en-mlx", dtype="float32")
+    assert hub_env.seen()
+    hub_env.clear()
+    second = store.load_model("mlx-community/whisper-tiny.en-mlx", dtype="float32")
+    assert second.source == first.source
+    assert hub_env.seen() == []
+
+
+def test_offline_mode_loads_from_the_cache_and_names_what_is_missing(
+    hub_env: LoopbackHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cached = store.load_model("Systran/faster-whisper-tiny.en", dtype="float32")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_env.clear()
+    again = store.load_model("Systran/faster-whisper-tiny.en", dtype="float32")
+    assert again.source == cached.source
+    with pytest.raises(ModelNotFoundError) as info:
+        store.load_model("mlx-community/whisper-tiny.en-mlx")
+    message = str(info.value)
+    assert "not in the cache" in message and "HF_HUB_OFFLINE" in message
+    assert hub_env.seen() == []
+
+
+def test_a_repository_the_hub_lacks_is_a_clear_not_found(hub_env: LoopbackHub) -> None:
+    with pytest.raises(ModelNotFoundError) as info:
+        store.load_model("acme/no-such-whisper")
+    message = str(info.value)
+    assert "'acme/no-such-whisper' not found" in message
+    assert f"hub acme/no-such-whisper at {hub_env.url}: no such repository" in message
+    assert "\n" not in message
+
+
+def test_a_repository_without_a_whisper_model_says_which_layouts_it_wants(
+    hub_env: LoopbackHub,
+) -> None:
+    with pytest.raises(ModelNotFoundError) as info:
+        store.load_model("acme/not-a-model")
+    message = str(info.value)
+    assert "no Whisper model" in message and "model.bin" in message
+    assert "weights.safetensors" in message and "pytorch_model.bin" in message
+    assert not any("/resolve/" in s.path for s in hub_env.seen())
+
+
+def test_a_gated_repository_needs_hf_token(
+    hub_env: LoopbackHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(
+        ModelNotFoundError, match="gated; accept its terms on the hub and set HF_TOKEN"
+    ):
+        store.load_model("acme/gated-whisper")
+    assert any(s.path.startswith("/api/models/acme/gated-whisper") for s in hub_env.seen())
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    hub_env.clear()
+    loaded = store.load_model("acme/gated-whisper", dtype="float32")
+    assert loaded.dims == TINY_EN
+    downloads = [s for s in hub_env.seen() if "/resolve/" in s.path]
+    assert downloads and all(s.authorization == f"Bearer {TOKEN}" for s in downloads)
+
+
+def test_a_private_repository_without_a_token_is_not_found_with_a_hint(
+    hub_env: LoopbackHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ModelNotFoundError, match=r"no such repository \(a private or gated"):
+        store.load_model("acme/private-whisper")
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    with pytest.raises(ModelNotFoundError, match="no such repository"):
+        store.load_model("acme/private-whisper")
+
+
+def test_an_unreachable_hub_is_named_in_the_error(
+    hub_env: LoopbackHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # free once closed: nothing listens there
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    with pytest.raises(ModelNotFoundError) as info:
+        store.load_model("acme/anything")
+    message = str(info.value)
+    assert f"hub acme/anything at http://127.0.0.1:{port}: unreachable" in message
+
+
+def test_a_dropped_download_resumes_where_it_stopped(
+    hub_env: LoopbackHub, layouts: Layouts
+) -> None:
+    key = ("mlx-community/whisper-tiny.en-mlx", "weights.npz")
+    hub_env.drop_once.add(key)
+    loaded = store.load_model(key[0], dtype="float32")
+    assert hub_env.dropped == [key]
+    gets = [s for s in hub_env.seen() if s.method == "GET" and s.path.endswith("/weights.npz")]
+    assert len(gets) == 2
+    assert gets[0].range is None
+    size = (layouts.mlx_fp16 / "weights.npz").stat().st_size
+    # The second request asks only for the bytes after those the first one delivered.
+    assert gets[1].range is not None and gets[1].range.startswith("bytes=")
+    resumed_at = int(gets[1].range.removeprefix("bytes=").split("-")[0])
+    assert 0 < resumed_at < size
+    blob = (loaded.source / "weights.npz").read_bytes()
+    assert blob == (layouts.mlx_fp16 / "weights.npz").read_bytes()
+
+
+def test_a_download_off_a_terminal_logs_each_tenth(
+    hub_env: LoopbackHub, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="server.engine.store")
+    store.load_model("mlx-community/whisper-tiny.en-mlx", dtype="float32")
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("downloading mlx-community/whisper-tiny.en-mlx:")
+    ]
+    percents = [int(line.split(": ")[1].split("%")[0]) for line in lines]
+    # One line per tenth reached (one chunk of the download can cross two), ending complete.
+    assert percents == sorted(set(percents)) and percents[-1] == 100, percents
+    assert len(percents) >= 5 and all(p % 10 == 0 for p in percents)
+    assert any(
+        "MLX layout" in r.getMessage() and hub_env.url in r.getMessage() for r in caplog.records
+    )
+
+
+def test_transcribe_with_a_repository_the_hub_lacks_exits_with_one_clear_line(
+    hub_env: LoopbackHub, speech_dir: Path, tmp_path: Path
+) -> None:
+    line = _one_clear_line(
+        _transcribe(speech_dir / "misc_en" / "jfk.wav", "acme/no-such-whisper", tmp_path)
+    )
+    assert "'acme/no-such-whisper' not found" in line and "no such repository" in line
+    assert hub_env.url in line

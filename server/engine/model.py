@@ -272,7 +272,11 @@ class TextDecoder(nn.Module):
             block.use_cpu_kernels(enabled)
 
     def prepare_projection(self) -> None:
-        """Make the contiguous output projection (skip for quantized embeddings)."""
+        """Make the contiguous output projection; a quantized embedding keeps its own
+        (``as_linear`` reads the packed weights, a float copy would undo the saving)."""
+        if isinstance(self.token_embedding, nn.QuantizedEmbedding):
+            self._projection = None
+            return
         weight = self.token_embedding.weight
         self._projection = _contiguous(weight.T)
         mx.eval(self._projection)
@@ -316,3 +320,14 @@ class Whisper(nn.Module):
     def use_cpu_kernels(self, enabled: bool) -> None:
         self.encoder.use_cpu_kernels(enabled)
         self.decoder.use_cpu_kernels(enabled)
+
+    def quantize_layers(self, group_size: int, bits: int, wanted: Callable[[str], bool]) -> None:
+        """Swap the linear and embedding layers whose parameter path ``wanted`` accepts for
+        MLX affine-quantized ones, so a quantized checkpoint (mlx-community's ``-4bit``,
+        ``-8bit``, ``-q4`` repos) loads into them."""
+        nn.quantize(
+            self,
+            group_size=group_size,
+            bits=bits,
+            class_predicate=lambda path, m: hasattr(m, "to_quantized") and wanted(path),
+        )
