@@ -118,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"registry name ({', '.join(available_models())}) or a model folder "
-        "(default %(default)s)",
+        help=f"registry name ({', '.join(available_models())}), a Hugging Face repo owner/name "
+        "(MLX or CTranslate2 layout; HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE apply) or a model "
+        "folder (default %(default)s)",
     )
     model.add_argument(
         "--dtype",
