@@ -2296,3 +2296,45 @@ def test_a_failed_score_leaves_the_turn_to_its_timeout() -> None:
     )
     end = [e for e in events if isinstance(e, TurnEvent)][-1]
     assert end.trigger == "timeout"
+
+
+def test_a_flush_in_a_pause_is_answered_by_the_closing_decode_begun_there() -> None:
+    """A client's VAD ends the turn in a pause (Deepgram's Finalize, OpenAI's commit): the
+    speech ends where the pause began, so the closing decode the session started in the pause
+    is the utterance's final, and no decode is left to wait for."""
+    speech = (0.5, 2.0)
+    frames = iter(range(10_000))
+
+    def voiced(frame: bytes) -> bool:
+        t = next(frames) * 0.03
+        return speech[0] <= t < speech[1]
+
+    session = Session("finalize", frame_classifier=voiced)
+    decodes: list[DecodeJob] = []
+
+    def serve() -> None:
+        while not session.busy and (job := session.next_job()) is not None:
+            decodes.append(job)
+            spec = [
+                (f"w{k}", t, t + 0.3)
+                for k, t in enumerate(np.arange(speech[0], speech[1] - 0.3, 0.4))
+                if t + 0.3 <= job.start_s + job.audio_s
+            ]
+            session.receive_result(job, decoded(job, *spec))
+
+    chunk = pcm_s16le_bytes(np.full(int(0.02 * SAMPLE_RATE_HZ), 0.001, dtype=np.float32))
+    for _ in range(int(2.35 / 0.02)):  # the speech and 0.35 s of its pause
+        session.feed_audio(chunk)
+        serve()
+    guess = decodes[-1]
+    assert guess.speculative and guess.closing  # begun in the pause, held there
+    session.events_to_send()
+    session.flush()
+    serve()
+    events = session.events_to_send()
+    assert decodes[-1] is guess  # nothing decoded again
+    [final] = [e for e in events if isinstance(e, FinalMessage)]
+    assert final.text.split() == ["w0", "w1", "w2"]
+    ended = next(e for e in events if isinstance(e, SpeechEndedMessage))
+    assert ended.end == pytest.approx(guess.start_s + guess.audio_s)
+    assert isinstance(events[-1], Settled)

@@ -227,7 +227,14 @@ class Session:
         speech still going on goes on in a new utterance. Raises ProtocolError after ``end``."""
         if self._ended:
             raise ProtocolError("flush after end")
-        self._windows.close_open(self._audio.end, reopen=self._audio.vad.in_speech)
+        vad = self._audio.vad
+        if vad.in_speech and vad.tentative_end is not None:
+            # In a pause (a client's VAD ends the turn there: Deepgram's Finalize, OpenAI's
+            # commit): the speech ends where the pause began, as the endpoint would end it, so
+            # the closing decode begun in the pause (speculative_closing) is its final.
+            self._end_speech_at_pause()
+        else:
+            self._windows.close_open(self._audio.end, reopen=vad.in_speech)
         self._windows.unsettled = True
         self._windows.settle_if_closed_finished()
 
