@@ -278,7 +278,7 @@ def test_the_endpoint_waits_the_configured_silence(model: SileroModel) -> None:
         assert silence_ms <= waited <= silence_ms + 64, (silence_ms, waited)
 
 
-def test_voiced_seconds_and_pause_ends(model: SileroModel) -> None:
+def test_voiced_seconds(model: SileroModel) -> None:
     clips = [_load(f"librispeech_test-other/2609-156975-000{n}.wav") for n in (7, 2, 5)]
     join = _silence(0.45)
     samples = np.concatenate([_silence(1.0), clips[0], join, clips[1], join, clips[2]])
@@ -296,8 +296,7 @@ def test_voiced_seconds_and_pause_ends(model: SileroModel) -> None:
     assert vad.voiced_s(0, SECOND) == 0.0
     speech_s = (samples.size - 2 * SECOND) / SECOND
     assert 0.5 * speech_s <= vad.voiced_s(0, samples.size) <= speech_s
-    pauses = vad.pause_ends(0, samples.size)
-    assert len(pauses) >= 2 and set(came_back) <= set(pauses)
+    assert len(came_back) >= 2  # the pauses speech went on after
     vad.forget_before(samples.size)
     assert vad.voiced_s(0, samples.size) == 0.0
 

@@ -330,35 +330,3 @@ def test_voiced_seconds_count_speech_and_not_silence() -> None:
     assert vad.voiced_s(0, samples.size) == pytest.approx(after + vad.voiced_s(0, middle))
     vad.forget_before(samples.size)
     assert vad.voiced_s(0, samples.size) == 0.0
-
-
-def test_the_pauses_that_speech_went_on_after_are_the_tentative_ends_they_had() -> None:
-    """Read speech with pauses of its own (test-other, three clips joined): every tentative
-    end that speech came back after, within an utterance or after its endpoint, is a pause
-    end, in order, and a pause end is never inside voiced audio."""
-    clips = [_load(f"librispeech_test-other/2609-156975-000{n}.wav") for n in (7, 2, 5)]
-    join = _silence(0.45)
-    samples = np.concatenate([clips[0], join, clips[1], join, clips[2], _silence(1.0)])
-    vad = VadSegmenter(VadConfig())
-    came_back: list[int] = []  # within an utterance
-    ends: list[int] = []
-    pending: int | None = None
-    for pos in range(0, samples.size, 10 * MS):
-        for event in vad.receive(samples[pos : pos + 10 * MS]):
-            if isinstance(event, SpeechEnded):
-                ends.append(event.end_sample)
-                pending = None
-        if vad.tentative_end is not None:
-            pending = vad.tentative_end
-        elif pending is not None and vad.in_speech:
-            came_back.append(pending)
-            pending = None
-    pauses = vad.pause_ends(0, samples.size)
-    assert pauses == sorted(set(pauses))
-    assert len(came_back) >= 4
-    assert set(came_back) <= set(pauses)
-    assert len(ends) >= 3 and set(ends[:-1]) <= set(pauses)  # not the last: nothing after it
-    assert ends[-1] not in pauses
-    assert vad.pause_ends(ends[0], ends[1]) == [p for p in pauses if ends[0] < p <= ends[1]]
-    for p in pauses:
-        assert vad.voiced_s(p - 200 * MS, p) == 0.0  # the pad after the last voiced frame

@@ -14,7 +14,6 @@ often the start of a sentence than all of it). Both ends are widened by
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -126,18 +125,6 @@ class VadSegmenter:
         for run_start, run_end in self._voiced:
             total += max(0, min(run_end, end_sample) - max(run_start, start_sample))
         return total / SAMPLE_RATE_HZ
-
-    def pause_ends(self, start_sample: int, end_sample: int) -> list[int]:
-        """Where each pause that speech went on after would have ended an utterance, in
-        ``(start_sample, end_sample]``: the ``tentative_end`` those pauses had (the last voiced
-        sample before them plus the pad), for the unvoiced gaps between voiced runs that
-        covered the pad. The pause heard now, if any, is ``tentative_end``'s."""
-        ends: list[int] = []
-        for (_, gap_start), (gap_end, _) in itertools.pairwise(self._voiced):
-            end = gap_start + self._pad
-            if gap_end - gap_start >= self._pad and start_sample < end <= end_sample:
-                ends.append(end)
-        return ends
 
     def forget_before(self, sample: int) -> None:
         """Drop the record of voiced frames that end before ``sample``."""

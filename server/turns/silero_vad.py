@@ -16,7 +16,6 @@ place.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import math
 from dataclasses import dataclass
@@ -165,16 +164,6 @@ class SileroSegmenter:
         for run_start, run_end in self._voiced:
             total += max(0, min(run_end, end_sample) - max(run_start, start_sample))
         return total / SAMPLE_RATE_HZ
-
-    def pause_ends(self, start_sample: int, end_sample: int) -> list[int]:
-        """As ``VadSegmenter.pause_ends``: the ``tentative_end`` of each pause that covered the
-        pad and that speech went on after, in ``(start_sample, end_sample]``."""
-        ends: list[int] = []
-        for (_, gap_start), (gap_end, _) in itertools.pairwise(self._voiced):
-            end = gap_start + self._pad
-            if gap_end - gap_start >= self._pad and start_sample < end <= end_sample:
-                ends.append(end)
-        return ends
 
     def forget_before(self, sample: int) -> None:
         """Drop the record of speech frames that end before ``sample``."""
