@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 
 .PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-gpu bench-beam bench-streaming bench-capacity bench-speakers bench-uploads bench-vocabulary clean
-.PHONY: peer bench-latency bench-accuracy bench-served tmux
+.PHONY: peer bench-latency bench-accuracy bench-served bench-telephony tmux
 
 install: $(STAMP)
 
@@ -116,6 +116,11 @@ bench-latency: $(STAMP) $(PEER_STAMP)
 # beside offline decoding of the same clip. BENCH_ACCURACY_ARGS: e.g. --set commit.min_window_s=3
 bench-accuracy: $(STAMP)
 	$(PY) -m bench.accuracy $(BENCH_ACCURACY_ARGS)
+
+# The 40 test-other clips through a telephone line (300-3400 Hz, 8 kHz, mu-law) against the
+# same clips at 16 kHz, and the levers on the 8 kHz path. BENCH_TELEPHONY_ARGS: e.g. --limit 5
+bench-telephony: $(STAMP)
+	$(PY) -m bench.telephony $(BENCH_TELEPHONY_ARGS)
 
 bench-served: $(STAMP)
 	$(PY) -m bench.served $(BENCH_SERVED_ARGS)

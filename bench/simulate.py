@@ -11,6 +11,9 @@ each result handed back once its own cost has passed on the clock, beside the de
 With a speaker encoder (``speakers``; the session's ``StreamingConfig.speakers`` enabled), the
 session's speaker jobs run as soon as it hands them out, and their time is charged to the
 clock too: a server runs them beside the decodes, so this is the slower bound.
+
+With ``wire`` the session gets that audio as a client sends it (say 8 kHz mu-law from a
+phone line) instead of ``audio`` as 16 kHz s16le, at the same pace.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from server.core.session import DecodeJob, Session, SessionEvent
 from server.core.speakers import SpeakerEmbedder
 from server.engine.engine import Engine
 from server.protocol.audio import pcm_s16le_bytes
-from server.protocol.formats import SAMPLE_RATE_HZ
+from server.protocol.formats import AudioFormat
 from server.protocol.messages import (
     FinalMessage,
     PartialMessage,
@@ -155,17 +158,26 @@ def simulate(
     decode_cost_s: Callable[[DecodeJob], float] | None = None,
     speakers: SpeakerEmbedder | None = None,
     spare_lane: bool = False,
+    wire: tuple[AudioFormat, bytes] | None = None,
 ) -> SimulationResult:
     """Stream ``audio`` through a fresh session; see the module docstring.
 
     ``decode_cost_s`` replaces the measured wall time of each decode with a modelled cost, so
     that window positions -- and therefore the text -- are the same on every run (tests).
+    ``wire``: the format and bytes the session is fed instead of ``audio``.
     """
+    fmt, data = wire if wire is not None else (AudioFormat(), pcm_s16le_bytes(audio))
     session = Session(
-        session_id, streaming=streaming, vad=vad, multilingual=engine.dims.is_multilingual
+        session_id,
+        audio_format=fmt,
+        streaming=streaming,
+        vad=vad,
+        multilingual=engine.dims.is_multilingual,
     )
-    result = SimulationResult(audio_s=audio.shape[0] / SAMPLE_RATE_HZ)
-    chunk = int(CHUNK_S * SAMPLE_RATE_HZ)
+    rate, width = fmt.sample_rate_hz, fmt.bytes_per_sample
+    total = len(data) // width  # samples at the client's rate
+    result = SimulationResult(audio_s=total / rate)
+    chunk = int(CHUNK_S * rate)
     clock = 0.0
     fed = 0
     ended = False
@@ -178,10 +190,10 @@ def simulate(
         return decoded, spent if decode_cost_s is None else decode_cost_s(job)
 
     while not session.done:
-        while fed < audio.shape[0] and fed < clock * SAMPLE_RATE_HZ:
-            session.feed_audio(pcm_s16le_bytes(audio[fed : fed + chunk]))
+        while fed < total and fed < clock * rate:
+            session.feed_audio(data[fed * width : (fed + chunk) * width])
             fed += chunk
-        if fed >= audio.shape[0] and not ended:
+        if fed >= total and not ended:
             session.end()
             ended = True
         for m in session.events_to_send():
