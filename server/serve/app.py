@@ -43,7 +43,8 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 from websockets.server import ServerProtocol
 
-from server.apis.registry import STREAM_APIS
+from server.apis.registry import CALL_ROUTES, STREAM_APIS
+from server.apis.twilio_media import CallHub, ServedConnection, TwilioConfig, Webhook
 from server.apis.v1_stream import STREAM_PATH
 from server.config import PipelineConfig, ServerConfig, StreamingConfig, VadConfig
 from server.core.engine_api import SpeechEngine
@@ -81,8 +82,13 @@ class WhisperwireServer:
         pipeline: PipelineConfig | None = None,
         streaming: StreamingConfig | None = None,
         vad: VadConfig | None = None,
+        twilio: TwilioConfig | None = None,
     ) -> None:
         self.config = server or ServerConfig()
+        # Twilio Media Streams: calls meet their subscribers here; finals go to the webhook.
+        self.twilio = twilio or TwilioConfig()
+        self.calls = CallHub(self.twilio.subscriber_queue_events)
+        self.webhook = Webhook(self.twilio) if self.twilio.webhook_url is not None else None
         self.metrics = Metrics()
         self.pipeline = Pipeline(pipeline, metrics=self.metrics)
         self.streaming = streaming or StreamingConfig()
@@ -95,7 +101,7 @@ class WhisperwireServer:
         self.vad = vad or VadConfig()
         self._load_engine = load_engine
         self.rest = RestApp(self)
-        self._connections: set[Connection] = set()
+        self._connections: set[ServedConnection] = set()
         self._ws_server: Server | None = None
         self._port: int | None = None
         self._loading: asyncio.Task[SpeechEngine] | None = None
@@ -298,6 +304,7 @@ class WhisperwireServer:
             self._ws_server.close(close_connections=False)
             for conn in list(self._connections):
                 conn.request_stop(SHUTDOWN)
+            self.calls.close()  # subscribers waiting for calls that never started
             try:
                 await asyncio.wait_for(
                     self._ws_server.wait_closed(), self.config.shutdown_timeout_s
@@ -310,6 +317,13 @@ class WhisperwireServer:
                 )
                 self.abort_connections()
                 await self._ws_server.wait_closed()
+        if self.webhook is not None:
+            # The last calls' finals get the shutdown timeout to reach the webhook.
+            try:
+                await asyncio.wait_for(self.webhook.wait_idle(), self.config.shutdown_timeout_s)
+            except asyncio.TimeoutError:
+                logger.warning("the webhook did not take the last finals in time")
+            await self.webhook.close()
         # Uploads being answered finish too (new ones get 503 since the shutdown began).
         await self.rest.wait_finished(self.config.shutdown_timeout_s)
         if self._loading is not None and not self._loading.done():
@@ -357,9 +371,21 @@ class WhisperwireServer:
         log = logging.LoggerAdapter(logger, {"session_id": session_id})
         path = urlsplit(ws.request.path if ws.request is not None else "").path
         # routes.py lets only the handshakes of the APIs' paths through
-        adapter = STREAM_APIS[path if path in STREAM_APIS else STREAM_PATH].adapter()
+        call = CALL_ROUTES.get(path)
+        adapter = (
+            None if call is not None else STREAM_APIS.get(path, STREAM_APIS[STREAM_PATH]).adapter()
+        )
         if self._closing or not self.pipeline.ready:
             await close_quietly(ws, 1001, "server shutting down", self.config.close_timeout_s)
+            return
+        if call is not None and not call.stream:
+            # An events subscriber decodes nothing: not a session, and never refused as one.
+            try:
+                await call.connection(ws, session_id, self).run()
+            except Exception:
+                log.error("subscriber connection failed", exc_info=True)
+                self.metrics.errors.inc(1, "internal")
+                await close_quietly(ws, 1011, "internal server error", self.config.close_timeout_s)
             return
         full = self.full_reason()
         if full is not None:
@@ -372,15 +398,19 @@ class WhisperwireServer:
                 ws, "server_full", full.message, 1013, self.config.close_timeout_s, adapter
             )
             return
-        conn = Connection(
-            ws,
-            session_id,
-            pipeline=self.pipeline,
-            metrics=self.metrics,
-            config=self.config,
-            streaming=self.streaming,
-            vad=self.vad,
-            adapter=adapter,
+        conn: ServedConnection = (
+            call.connection(ws, session_id, self)
+            if call is not None
+            else Connection(
+                ws,
+                session_id,
+                pipeline=self.pipeline,
+                metrics=self.metrics,
+                config=self.config,
+                streaming=self.streaming,
+                vad=self.vad,
+                adapter=adapter,
+            )
         )
         self._connections.add(conn)
         self._no_connections.clear()
@@ -393,7 +423,7 @@ class WhisperwireServer:
             log.error("connection failed", exc_info=True)
             self.metrics.errors.inc(1, "internal")
             await refuse(
-                ws, "internal", "internal server error", 1011, conn.close_timeout_s, adapter
+                ws, "internal", "internal server error", 1011, self.config.close_timeout_s, adapter
             )
         finally:
             self._connections.discard(conn)
