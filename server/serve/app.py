@@ -449,6 +449,7 @@ async def run_server(
     pipeline: PipelineConfig | None = None,
     streaming: StreamingConfig | None = None,
     vad: VadConfig | None = None,
+    twilio: TwilioConfig | None = None,
     on_ready: Callable[[WhisperwireServer], None] | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, then shut down gracefully: on SIGTERM drain first
@@ -458,7 +459,7 @@ async def run_server(
     Raises what loading the model raised (``ModelError``), after closing the socket.
     """
     app = WhisperwireServer(
-        load_engine, server=server, pipeline=pipeline, streaming=streaming, vad=vad
+        load_engine, server=server, pipeline=pipeline, streaming=streaming, vad=vad, twilio=twilio
     )
     loop = asyncio.get_running_loop()
     stop: asyncio.Future[signal.Signals] = loop.create_future()

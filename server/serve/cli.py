@@ -14,6 +14,7 @@
                        [--max-session-s 14400] [--idle-timeout-s 30] [--api-key KEY]
                        [--allowed-origin URL ...]
                        [--tls-cert PEM --tls-key PEM] [--drain-s 0] [--log-level info]
+                       [--twilio-auth-token TOKEN] [--twilio-webhook-url URL]
 
 SIGTERM drains for up to ``--drain-s`` (new sessions refused, open ones served), then
 finishes the open sessions (finals, ``done``, close 1001); SIGINT finishes them at once; a
@@ -37,6 +38,7 @@ from collections.abc import Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from server.apis.twilio_media import TwilioConfig
 from server.config import COMFORT_UTILIZATION, PipelineConfig, ServerConfig, StreamingConfig
 from server.core.policy import CommitConfig
 from server.core.speakers import SpeakerConfig
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("server.serve.cli")
 
 API_KEY_ENV = "WHISPERWIRE_API_KEY"
+TWILIO_TOKEN_ENV = "TWILIO_AUTH_TOKEN"  # the name Twilio's own libraries read it from
 EXIT_OK = 0
 EXIT_USAGE = 2  # argparse's status for bad flags; also a model, TLS file or port we cannot use
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -308,6 +311,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="a browser Origin allowed besides the server's own page (repeatable; '*': any)",
     )
+    twilio = parser.add_argument_group("Twilio Media Streams (docs/telephony.md)")
+    twilio.add_argument(
+        "--twilio-auth-token",
+        default=os.environ.get(TWILIO_TOKEN_ENV) or None,
+        metavar="TOKEN",
+        help="take /twilio/media streams only when signed with this account's auth token "
+        f"(X-Twilio-Signature); default ${TWILIO_TOKEN_ENV}",
+    )
+    twilio.add_argument(
+        "--twilio-webhook-url",
+        metavar="URL",
+        help="POST each final of every call here as JSON (bounded retries, never blocking)",
+    )
     shutdown = parser.add_argument_group("shutdown")
     shutdown.add_argument(
         "--drain-s",
@@ -406,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
             speakers=SpeakerConfig(enabled=args.speakers),
         )
         pipeline = pipeline_config(args)
+        twilio = TwilioConfig(
+            auth_token=args.twilio_auth_token, webhook_url=args.twilio_webhook_url
+        )
         from server.engine.engine import EngineConfig
 
         engine_config = EngineConfig(
@@ -441,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                 server=server,
                 pipeline=pipeline,
                 streaming=streaming,
+                twilio=twilio,
             )
         )
     except ModelError as exc:
