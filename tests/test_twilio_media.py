@@ -27,6 +27,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.http11 import Request
 
 from bench.corpus import ManifestRow, load_clip, wer
+from bench.http_probe import http_get, metric_value
 from bench.phone_line import PHONE_RATE_HZ, phone_line
 from server.apis.twilio_media import (
     EVENTS_PATH,
@@ -595,16 +596,45 @@ async def test_shutdown_ends_waiting_subscribers_and_finishes_a_call_in_progress
     frames = CallFrames({"inbound": line})
     async with call_server(ScriptedEngine()) as server:
         waiting = await connect(f"{server.url}{EVENTS_PATH}?call_sid=CAnever")
+        idle_reader = asyncio.create_task(read_all(waiting))
         sub = await connect(f"{server.url}{EVENTS_PATH}?call_sid={CALL}")
-        readers = [asyncio.create_task(read_all(ws)) for ws in (waiting, sub)]
         twilio_ws = await connect(media_url(server))
-        for frame in [*frames.opening(), *frames.media()]:
+        for frame in [*frames.opening(), *frames.media(), frames.mark("all-sent")]:
             await twilio_ws.send(frame)
-        await asyncio.sleep(0.2)  # the frames are in; no stop: the call is still going
+        # Frames are taken in order: once the mark is out, every media frame is in. No stop:
+        # the call is still going when the server shuts down.
+        call_events = []
+        while not call_events or call_events[-1]["type"] != "mark":
+            call_events.append(json.loads(await asyncio.wait_for(sub.recv(), 30)))
         await server.shutdown()
-        idle_events, call_events = await asyncio.wait_for(asyncio.gather(*readers), 30)
+        call_events += await asyncio.wait_for(read_all(sub), 30)
+        idle_events = await asyncio.wait_for(idle_reader, 30)
     assert idle_events == [] and waiting.close_code == 1000
     assert call_events[-1]["type"] == "call_ended" and call_events[-1]["reason"]
     [done] = [e for e in call_events if e["type"] == "done"]
     assert done["audio_received_s"] == pytest.approx(len(line) / PHONE_RATE_HZ, abs=1e-3)
     assert twilio_ws.close_code == 1001
+
+
+async def test_a_silent_socket_is_finished_after_the_idle_timeout(speech_dir: Path) -> None:
+    """Twilio sends media all through a call: a stream that goes quiet is finished (its
+    audio transcribed, the subscriber told why) instead of holding a session forever."""
+    line = phone_line(load_clip(speech_dir / INBOUND_CLIP)[:SAMPLE_RATE_HZ])
+    frames = CallFrames({"inbound": line})
+    async with (
+        call_server(ScriptedEngine(), idle_timeout_s=0.5) as server,
+        connect(f"{server.url}{EVENTS_PATH}?call_sid={CALL}") as sub,
+    ):
+        reader = asyncio.create_task(read_all(sub))
+        async with connect(media_url(server)) as twilio_ws:
+            for frame in [*frames.opening(), *frames.media()]:
+                await twilio_ws.send(frame)
+            await asyncio.wait_for(twilio_ws.wait_closed(), 30)
+        events = await asyncio.wait_for(reader, 30)
+        _, _, body = await http_get(server.http_url + "/metrics")
+    assert twilio_ws.close_code == 1000 and twilio_ws.close_reason == "idle timeout"
+    [error] = [e for e in events if e["type"] == "error"]
+    assert error["code"] == "idle_timeout"
+    assert events[-1]["type"] == "call_ended" and events[-1]["reason"] == "idle timeout"
+    received = metric_value(body.decode(), "whisperwire_audio_received_seconds_total")
+    assert received == pytest.approx(len(line) / PHONE_RATE_HZ, abs=1e-3)

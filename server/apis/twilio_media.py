@@ -50,6 +50,7 @@ from server.config import ServerConfig, StreamingConfig, VadConfig
 from server.core.session import Session
 from server.decode.pipeline import Pipeline
 from server.decode.stream_driver import AdapterEvent, DriverOutcome, StreamDriver
+from server.metrics import Metrics
 from server.protocol.errors import StreamError
 from server.protocol.formats import AudioFormat
 from server.protocol.messages import ErrorMessage, FinalMessage, ServerMessage
@@ -563,6 +564,9 @@ class CallServer(Protocol):
     def pipeline(self) -> Pipeline: ...
 
     @property
+    def metrics(self) -> Metrics: ...
+
+    @property
     def config(self) -> ServerConfig: ...
 
     @property
@@ -640,9 +644,16 @@ class TwilioCall:
             self._ended = True
 
     async def _ingest(self) -> _Stop:
-        """Frames until ``stop`` (1000), a bad frame (1008) or the socket closing."""
+        """Frames until ``stop`` (1000), a bad frame (1008), silence on the socket for the
+        idle timeout (Twilio sends media all through a call), or the socket closing."""
+        idle_s = self.server.config.idle_timeout_s
         try:
-            async for frame in self.ws:
+            while True:
+                try:
+                    frame = await asyncio.wait_for(self.ws.recv(), idle_s)
+                except asyncio.TimeoutError:
+                    why = f"no frame received for {idle_s:g} s; finishing the call"
+                    return _Stop(1000, "idle timeout", why, "idle_timeout")
                 try:
                     event = self.parser.receive(frame)
                     if event is not None:
@@ -661,7 +672,12 @@ class TwilioCall:
             self._open(event)
         elif isinstance(event, Media):
             driver = self.drivers[event.track]
-            driver.feed_audio(event.payload)
+            before_s = driver.session.audio_received_s
+            try:
+                driver.feed_audio(event.payload)
+            finally:
+                received_s = driver.session.audio_received_s - before_s
+                self.server.metrics.audio_received_s.inc(max(0.0, received_s))
             if driver.session.audio_received_s > self.server.config.max_session_s:
                 raise StreamError(
                     f"calls are limited to {self.server.config.max_session_s:g} s per track",
