@@ -202,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help=f"decode cost scales for the noise floor (default: {NOISE_SCALES}; 1 skips it)",
     )
+    parser.add_argument(
+        "--no-references",
+        action="store_true",
+        help="stream only the phone line and the levers (wide and offline skipped: a second "
+        "process can try levers beside a first that measures the rest)",
+    )
     parser.add_argument("--out", default="telephony")
     args = parser.parse_args(argv)
 
@@ -265,10 +271,14 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = run(engine, clips, name, each)
         save()
 
-    measure("wide", lambda c: stream(engine, c, phone=False))
+    if not args.no_references:
+        measure("wide", lambda c: stream(engine, c, phone=False))
     measure("phone", lambda c: stream(engine, c, phone=True))
-    measure("phone_offline", lambda c: _row(c, transcribe_audio(engine, decode_line(c.line)).text))
-    measure("wide_offline", lambda c: _row(c, transcribe_audio(engine, c.audio).text))
+    if not args.no_references:
+        measure(
+            "phone_offline", lambda c: _row(c, transcribe_audio(engine, decode_line(c.line)).text)
+        )
+        measure("wide_offline", lambda c: _row(c, transcribe_audio(engine, c.audio).text))
     for scale in scales:
         measure(
             f"phone_x{scale}",
