@@ -42,6 +42,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -208,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         help="stream only the phone line and the levers (wide and offline skipped: a second "
         "process can try levers beside a first that measures the rest)",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="take the phone line's clip rows from this earlier result file instead of "
+        "streaming them again (modelled costs make them the same)",
+    )
     parser.add_argument("--out", default="telephony")
     args = parser.parse_args(argv)
 
@@ -273,7 +280,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_references:
         measure("wide", lambda c: stream(engine, c, phone=False))
-    measure("phone", lambda c: stream(engine, c, phone=True))
+    if args.baseline is not None:
+        known = json.loads(args.baseline.read_text())["clips"]["phone"]
+        results["phone"] = [r for r in known if r["file"] in {c.row.file for c in clips}]
+        if len(results["phone"]) != len(clips):
+            raise SystemExit(f"{args.baseline} lacks some of the clips' phone rows")
+    else:
+        measure("phone", lambda c: stream(engine, c, phone=True))
     if not args.no_references:
         measure(
             "phone_offline", lambda c: _row(c, transcribe_audio(engine, decode_line(c.line)).text)
