@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 
 .PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-gpu bench-beam bench-streaming bench-capacity bench-speakers bench-uploads bench-vocabulary clean
-.PHONY: peer bench-latency bench-accuracy bench-ablation bench-turns bench-wyoming bench-served tmux bench-turn-model bench-vad
+.PHONY: peer bench-latency bench-accuracy bench-ablation bench-turns bench-wyoming bench-served bench-telephony tmux bench-turn-model bench-vad
 
 install: $(STAMP)
 
@@ -130,6 +130,11 @@ bench-turns: $(STAMP)
 # Home Assistant's Wyoming protocol: audio-stop to transcript on the test-other clips.
 bench-wyoming: $(STAMP)
 	$(PY) -m bench.wyoming $(BENCH_WYOMING_ARGS)
+
+# The 40 test-other clips through a telephone line (300-3400 Hz, 8 kHz, mu-law) against the
+# same clips at 16 kHz, and the levers on the 8 kHz path. BENCH_TELEPHONY_ARGS: e.g. --limit 5
+bench-telephony: $(STAMP)
+	$(PY) -m bench.telephony $(BENCH_TELEPHONY_ARGS)
 
 bench-served: $(STAMP)
 	$(PY) -m bench.served $(BENCH_SERVED_ARGS)

@@ -11,6 +11,9 @@ each result handed back once its own cost has passed on the clock, beside the de
 With a speaker encoder (``speakers``; the session's ``StreamingConfig.speakers`` enabled), the
 session's speaker jobs run as soon as it hands them out, and their time is charged to the
 clock too: a server runs them beside the decodes, so this is the slower bound.
+
+With ``wire`` the session gets that audio as a client sends it (say 8 kHz mu-law from a
+phone line) instead of ``audio`` as 16 kHz s16le, at the same pace.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from server.core.speakers import SpeakerEmbedder
 from server.core.vad import FrameClassifier
 from server.engine.engine import Engine
 from server.protocol.audio import pcm_s16le_bytes
-from server.protocol.formats import SAMPLE_RATE_HZ
+from server.protocol.formats import AudioFormat
 from server.protocol.messages import (
     FinalMessage,
     PartialMessage,
@@ -159,6 +162,7 @@ def simulate(
     decoder: Callable[[DecodeJob], DecodeResult] | None = None,
     on_session: Callable[[Session], object] | None = None,
     frame_classifier: FrameClassifier | None = None,
+    wire: tuple[AudioFormat, bytes] | None = None,
 ) -> SimulationResult:
     """Stream ``audio`` through a fresh session; see the module docstring.
 
@@ -168,16 +172,21 @@ def simulate(
     ``bench.ablation`` replays); its time counts only where no modelled cost is given.
     ``on_session``: called with the session once it is done (its rule counters).
     ``frame_classifier``: the VAD's verdicts (``Session``); None: webrtcvad's.
+    ``wire``: the format and bytes the session is fed instead of ``audio``.
     """
+    fmt, data = wire if wire is not None else (AudioFormat(), pcm_s16le_bytes(audio))
     session = Session(
         session_id,
+        audio_format=fmt,
         streaming=streaming,
         vad=vad,
         multilingual=engine.dims.is_multilingual,
         frame_classifier=frame_classifier,
     )
-    result = SimulationResult(audio_s=audio.shape[0] / SAMPLE_RATE_HZ)
-    chunk = int(CHUNK_S * SAMPLE_RATE_HZ)
+    rate, width = fmt.sample_rate_hz, fmt.bytes_per_sample
+    total = len(data) // width  # samples at the client's rate
+    result = SimulationResult(audio_s=total / rate)
+    chunk = int(CHUNK_S * rate)
     clock = 0.0
     fed = 0
     ended = False
@@ -193,10 +202,10 @@ def simulate(
         return decoded, spent if decode_cost_s is None else decode_cost_s(job)
 
     while not session.done:
-        while fed < audio.shape[0] and fed < clock * SAMPLE_RATE_HZ:
-            session.feed_audio(pcm_s16le_bytes(audio[fed : fed + chunk]))
+        while fed < total and fed < clock * rate:
+            session.feed_audio(data[fed * width : (fed + chunk) * width])
             fed += chunk
-        if fed >= audio.shape[0] and not ended:
+        if fed >= total and not ended:
             session.end()
             ended = True
         for m in session.events_to_send():

@@ -10,6 +10,7 @@ import numpy.typing as npt
 import pytest
 import soxr
 
+from bench.phone_line import band_pass, g711_encode, phone_line
 from server.protocol.audio import PcmDecoder, pcm_s16le_bytes, read_audio_file
 from server.protocol.errors import AudioFormatError, FrameTooLargeError
 from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
@@ -131,6 +132,46 @@ def test_decode_after_flush_is_rejected() -> None:
     with pytest.raises(AudioFormatError, match="flushed"):
         dec.decode(b"\x00\x00")
     assert dec.flush().size == 0
+
+
+# --- PcmDecoder: G.711 ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("law", ["mulaw", "alaw"])
+def test_g711_at_16k_keeps_the_speech(law: str, speech: npt.NDArray[np.float32]) -> None:
+    blob = g711_encode(speech, law)
+    assert len(blob) == speech.size  # one byte per sample
+    dec = _decoder(encoding=law)
+    # Any frame length is whole samples: no byte of G.711 can be half a sample.
+    out = np.concatenate([dec.decode(f) for f in _random_frames(blob, 1, random.Random(7))])
+    assert dec.samples_in == speech.size
+    noise = out - speech
+    snr_db = 10 * np.log10(float(np.sum(speech**2)) / float(np.sum(noise**2)))
+    assert snr_db > 30, snr_db  # G.711's companding noise is about 38 dB below speech
+
+
+@pytest.mark.parametrize("law", ["mulaw", "alaw"])
+def test_phone_line_at_8k_comes_out_at_16k(law: str, speech: npt.NDArray[np.float32]) -> None:
+    blob = phone_line(speech, law)
+    dec = _decoder(rate=8_000, encoding=law)
+    pieces = [dec.decode(f) for f in _random_frames(blob, 1, random.Random(8))]
+    out = np.concatenate([*pieces, dec.flush()])
+    assert dec.seconds_in == pytest.approx(speech.size / SAMPLE_RATE_HZ, abs=1e-3)
+    assert abs(out.size - speech.size) <= 3
+    n = min(out.size, speech.size)
+    # The line kept 300-3400 Hz; compare that band of the original.
+    corr = float(np.corrcoef(out[:n], band_pass(speech)[:n])[0, 1])
+    assert corr > 0.98, corr
+
+
+def test_g711_frames_split_anywhere_decode_the_same() -> None:
+    blob = bytes(range(256)) * 40
+    whole = _decoder(rate=8_000, encoding="alaw")
+    split = _decoder(rate=8_000, encoding="alaw")
+    expected = np.concatenate([whole.decode(blob), whole.flush()])
+    frames = _random_frames(blob, 1, random.Random(3))
+    got = np.concatenate([*(split.decode(f) for f in frames), split.flush()])
+    np.testing.assert_array_equal(got, expected)
 
 
 # --- PcmDecoder: resampling --------------------------------------------------------------------

@@ -32,6 +32,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.http11 import Request
 
 from bench.corpus import ManifestRow, load_clip, wer
+from bench.phone_line import PHONE_RATE_HZ, phone_line
 from server.apis.adapters import SessionSettings
 from server.apis.deepgram_live import LISTEN_PATH, DeepgramAdapter, handshake_problem, parse_options
 from server.config import PipelineConfig, ServerConfig, StreamingConfig, VadConfig
@@ -128,6 +129,32 @@ async def test_the_deepgram_client_streams_speech_and_gets_interim_and_final_res
     text = " ".join(r.channel.alternatives[0].transcript for r in finals)
     assert wer(reference(manifest, CLIP), text) <= MAX_WER_CLIP, text
     assert socket._websocket.close_code == 1000  # clean close after CloseStream
+
+
+@pytest.mark.asyncio(loop_scope="session")  # the server_url fixture's loop
+async def test_the_deepgram_client_streams_a_phone_call_in_mulaw_at_8k(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    """What every Twilio-to-Deepgram tutorial does: the call's mu-law bytes, 8 kHz, forwarded
+    with ``encoding=mulaw&sample_rate=8000``, in 20 ms frames (160 bytes) as a phone leg sends
+    them; the speech went through a telephone channel (300-3400 Hz) first."""
+    client = AsyncDeepgramClient(api_key="unused", environment=environment(server_url))
+    clip = load_clip(speech_dir / CLIP)
+    line = phone_line(np.concatenate([clip, np.zeros(SAMPLE_RATE_HZ, np.float32)]))
+    frame_bytes = PHONE_RATE_HZ // 50
+    async with client.listen.v1.connect(
+        model="nova-3", encoding="mulaw", sample_rate="8000", punctuate="true"
+    ) as socket:
+        for start in range(0, len(line), frame_bytes):
+            await socket.send_media(line[start : start + frame_bytes])
+        await socket.send_close_stream()
+        messages = await asyncio.wait_for(_all(socket), WAIT_S)
+    assert messages[-1].type == "Metadata" and "Error" not in [m.type for m in messages]
+    # One byte a sample: the duration is the byte count at 8 kHz, every byte accepted.
+    assert messages[-1].duration == pytest.approx(len(line) / PHONE_RATE_HZ, abs=0.01)
+    finals = [m for m in messages if m.type == "Results" and m.is_final]
+    text = " ".join(r.channel.alternatives[0].transcript for r in finals)
+    assert wer(reference(manifest, CLIP), text) <= MAX_WER_CLIP, text
 
 
 @pytest.mark.asyncio(loop_scope="session")  # the server_url fixture's loop
@@ -256,6 +283,13 @@ LIVEKIT_QUERY = (
 )
 
 
+@pytest.mark.parametrize(("name", "ours"), [("mulaw", "mulaw"), ("alaw", "alaw")])
+def test_g711_is_taken_at_any_rate(name: str, ours: str) -> None:
+    for rate in (8000, 16000):
+        options = parse_options(f"{LISTEN_PATH}?encoding={name}&sample_rate={rate}")
+        assert (options.encoding, options.sample_rate_hz) == (ours, rate)
+
+
 def test_the_query_livekit_sends_is_taken() -> None:
     assert handshake_problem(Request(f"{LISTEN_PATH}?{LIVEKIT_QUERY}", Headers())) is None
     options = parse_options(f"{LISTEN_PATH}?{LIVEKIT_QUERY}&tag=a&tag=b")
@@ -288,7 +322,8 @@ def test_filler_words_are_left_out_unless_asked_for() -> None:
 @pytest.mark.parametrize(
     ("query", "says"),
     [
-        ("encoding=opus&sample_rate=16000", "encoding=opus"),
+        ("encoding=opus&sample_rate=16000", "encoding=linear16, mulaw, alaw"),
+        ("encoding=mulaw", "sample_rate (Hz) is required with encoding=mulaw"),
         ("sample_rate=16000", "encoding="),
         ("encoding=linear16", "sample_rate"),
         ("encoding=linear16&sample_rate=96000", "sample_rate"),
@@ -542,13 +577,35 @@ async def test_keep_alive_holds_off_the_idle_timeout() -> None:
         assert ws.close_code == 1000
 
 
+async def test_alaw_frames_of_any_byte_count_are_all_accepted(speech_dir: Path) -> None:
+    """G.711 has no half samples: frames of odd byte counts (as a phone gateway may cut
+    them) are all audio, and Metadata's duration counts every byte at 8 kHz."""
+    line = phone_line(load_clip(speech_dir / CLIP)[: 3 * SAMPLE_RATE_HZ], "alaw")
+    sizes = itertools.cycle([161, 1, 79, 3])
+    frames, pos = [], 0
+    while pos < len(line):
+        size = next(sizes)
+        frames.append(line[pos : pos + size])
+        pos += size
+    query = "encoding=alaw&sample_rate=8000"
+    async with scripted_server() as server, connect(listen_url(server, query)) as ws:
+        for frame in frames:
+            await ws.send(frame)
+        await ws.send('{"type": "CloseStream"}')
+        messages = await asyncio.wait_for(read_until_closed(ws), 30)
+    assert messages[-1]["type"] == "Metadata", messages
+    assert "Error" not in [m["type"] for m in messages]
+    assert messages[-1]["duration"] == pytest.approx(len(line) / PHONE_RATE_HZ, abs=1e-3)
+    assert messages[-1]["sha256"] == hashlib.sha256(line).hexdigest()
+
+
 async def test_handshakes_take_a_token_key_and_refuse_bad_options_with_400() -> None:
     async with scripted_server(api_key="s3cret") as server:
         key = {"Authorization": "Token s3cret"}
         for query, headers, status, says in [
             (LINEAR16, {}, 401, b""),
             (LINEAR16, {"Authorization": "Token nope"}, 401, b""),
-            ("encoding=mulaw&sample_rate=8000", key, 400, b"encoding=mulaw is not supported"),
+            ("encoding=speex&sample_rate=8000", key, 400, b"encoding=speex is not supported"),
             # This server labels no speakers (no --speakers).
             (f"{LINEAR16}&diarize=true", key, 400, b"started without --speakers"),
             (LINEAR16, {"Authorization": "Token s3cret", "Origin": "https://x.example"}, 403, b""),

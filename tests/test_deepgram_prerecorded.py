@@ -20,6 +20,7 @@ from deepgram.environment import DeepgramClientEnvironment
 from websockets.datastructures import Headers
 
 from bench.corpus import ManifestRow, load_clip, wav_bytes, wer
+from bench.phone_line import PHONE_RATE_HZ, phone_line
 from server.apis.deepgram_prerecorded import DeepgramFileApi, ListenJob
 from server.apis.files import FileRequestError, Finished, ModelFacts
 from server.config import ServerConfig
@@ -116,8 +117,16 @@ def test_raw_linear16_needs_its_rate() -> None:
     assert parse("encoding=linear16&sample_rate=8000").pcm_rate_hz == 8000
     with pytest.raises(FileRequestError, match="sample_rate"):
         parse("encoding=linear16")
-    with pytest.raises(FileRequestError, match="not supported"):
-        parse("encoding=mulaw&sample_rate=8000")
+    with pytest.raises(FileRequestError, match="encoding=linear16, mulaw, alaw"):
+        parse("encoding=opus&sample_rate=8000")
+
+
+@pytest.mark.parametrize("name", ["mulaw", "alaw"])
+def test_raw_g711_is_taken_with_its_rate(name: str) -> None:
+    job = parse(f"encoding={name}&sample_rate=8000")
+    assert (job.pcm_encoding, job.pcm_rate_hz) == (name, 8000)
+    with pytest.raises(FileRequestError, match=f"sample_rate .* encoding={name}"):
+        parse(f"encoding={name}")
 
 
 @pytest.mark.parametrize(
@@ -233,6 +242,47 @@ async def test_the_deepgram_sdk_transcribes_a_file(
     assert " ".join(w.punctuated_word or "" for w in words) == alternative.transcript
     assert all(0 <= (w.start or 0) <= (w.end or 0) <= answer.metadata.duration + 0.1 for w in words)  # type: ignore[union-attr,operator]
     assert answer.results.utterances  # type: ignore[union-attr]
+
+
+@on_session_loop
+async def test_the_deepgram_sdk_transcribes_a_raw_mulaw_phone_recording(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    """A call recording as raw mu-law at 8 kHz (a telephone channel's audio): the SDK names
+    the encoding; its ``transcribe_file`` has no ``sample_rate`` argument, so the rate rides
+    in the request options' extra query, as Deepgram's docs tell SDK users to send it."""
+    client = AsyncDeepgramClient(api_key="unused", environment=environment(server_url))
+    line = phone_line(load_clip(speech_dir / CLIP))
+    answer = await client.listen.v1.media.transcribe_file(
+        request=line,
+        model="nova-3",
+        encoding="mulaw",
+        punctuate=True,
+        request_options={"additional_query_parameters": {"sample_rate": PHONE_RATE_HZ}},
+    )
+    assert answer.metadata.duration == pytest.approx(len(line) / PHONE_RATE_HZ, abs=0.01)  # type: ignore[union-attr]
+    alternative = answer.results.channels[0].alternatives[0]  # type: ignore[union-attr]
+    assert wer(reference(manifest), alternative.transcript or "") <= MAX_WER_CLIP, alternative
+
+
+@on_session_loop
+async def test_raw_alaw_is_decoded_and_a_bad_encoding_gets_deepgrams_error(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    base = "http" + server_url.removeprefix("ws") + "/v1/listen"
+    line = phone_line(load_clip(speech_dir / CLIP), "alaw")
+    headers = {"Content-Type": "application/octet-stream", "Authorization": "Token x"}
+    async with httpx.AsyncClient(timeout=120) as http:
+        alaw = await http.post(
+            base + "?encoding=alaw&sample_rate=8000", content=line, headers=headers
+        )
+        speex = await http.post(
+            base + "?encoding=speex&sample_rate=8000", content=line, headers=headers
+        )
+    text = alaw.json()["results"]["channels"][0]["alternatives"][0]["transcript"]
+    assert wer(reference(manifest), text) <= MAX_WER_CLIP, text
+    assert speex.status_code == 400
+    assert "encoding=linear16, mulaw, alaw" in speex.json()["err_msg"]
 
 
 @on_session_loop

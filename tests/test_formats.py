@@ -11,6 +11,9 @@ def test_the_default_is_whisper_input() -> None:
     fmt = AudioFormat()
     assert (fmt.sample_rate_hz, fmt.encoding, fmt.bytes_per_sample) == (16_000, "pcm_s16le", 2)
     assert AudioFormat(encoding="pcm_f32le").bytes_per_sample == 4
+    # G.711, telephone audio: one byte per sample, at any rate the protocol allows.
+    assert AudioFormat(8_000, "mulaw").bytes_per_sample == 1
+    assert AudioFormat(16_000, "alaw").bytes_per_sample == 1
 
 
 @pytest.mark.parametrize("rate", [MIN_SAMPLE_RATE_HZ, 44_100, MAX_SAMPLE_RATE_HZ])

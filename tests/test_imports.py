@@ -27,6 +27,7 @@ SHARED = (
     "server.protocol.errors",
     "server.protocol.formats",
     "server.protocol.audio",
+    "server.protocol.g711",  # audio.py's G.711 tables (numpy)
 )
 # Makes MLX unimportable, as on a machine that has only the client installed.
 BLOCK_MLX = "import sys; sys.modules['mlx'] = None; "

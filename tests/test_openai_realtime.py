@@ -30,6 +30,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from bench.corpus import ManifestRow, load_clip, wer
 from bench.http_probe import http_get, metric_value
+from bench.phone_line import PHONE_RATE_HZ, phone_line
 from server.apis.openai_realtime import DEFAULT_RATE_HZ, REALTIME_PATH, handshake_problem
 from server.config import PipelineConfig, ServerConfig, StreamingConfig
 from server.core.session import END_OF_SPEECH_MS_RANGE
@@ -148,6 +149,89 @@ async def test_the_openai_client_streams_speech_and_gets_deltas_and_transcripts(
         assert len(stopped) == 1 and stopped[0].audio_end_ms > started.audio_start_ms
     assert [e for e in events if e.type == DELTA]
     assert wer(reference(manifest, CLIP), " ".join(transcripts)) <= MAX_WER_CLIP, transcripts
+
+
+def g711_chunks(line: bytes, chunk_s: float = 0.02) -> list[str]:
+    """G.711 bytes at 8 kHz as base64 appends of ``chunk_s`` (a phone leg's 20 ms)."""
+    step = int(chunk_s * PHONE_RATE_HZ)
+    return [base64.b64encode(line[i : i + step]).decode() for i in range(0, len(line), step)]
+
+
+@pytest.mark.asyncio(loop_scope="session")  # the server_url fixture's loop
+async def test_the_openai_client_streams_a_phone_call_as_audio_pcmu(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    """The GA session shape a Twilio-to-OpenAI bridge sends: ``audio/pcmu`` (no rate: 8 kHz),
+    server VAD, and the call's mu-law payloads appended as they come."""
+    client = AsyncOpenAI(base_url=http_base(server_url) + "/v1", api_key="unused", max_retries=0)
+    clip = load_clip(speech_dir / CLIP)
+    line = phone_line(np.concatenate([clip, np.zeros(int(1.5 * SAMPLE_RATE_HZ), np.float32)]))
+    events: list[Any] = []
+    async with client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
+        await conn.recv()  # session.created
+        await conn.session.update(
+            session={
+                "type": "transcription",
+                "audio": {"input": {"format": {"type": "audio/pcmu"}}},
+            }
+        )
+        updated = await conn.recv()
+        assert updated.type == "session.updated", updated
+        assert updated.session.audio.input.format.type == "audio/pcmu"
+        for chunk in g711_chunks(line):
+            await conn.input_audio_buffer.append(audio=chunk)
+
+        async def receive() -> None:
+            async for event in conn:
+                events.append(event)
+                kinds = [e.type for e in events]
+                started = kinds.count("input_audio_buffer.speech_started")
+                if started and kinds.count(COMPLETED) == started:
+                    return
+
+        await asyncio.wait_for(receive(), WAIT_S)
+    assert not [e for e in events if e.type == "error"], events
+    transcripts = check_items(events)
+    assert wer(reference(manifest, CLIP), " ".join(transcripts)) <= MAX_WER_CLIP, transcripts
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_the_beta_client_sends_g711_alaw_and_commits_by_hand(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    client = AsyncOpenAI(
+        base_url=http_base(server_url) + "/v1",
+        websocket_base_url=server_url + "/v1",
+        api_key="unused",
+        max_retries=0,
+    )
+    line = phone_line(load_clip(speech_dir / CLIP), "alaw")
+    async with client.beta.realtime.connect(
+        model="whisper-1", extra_query={"intent": "transcription"}
+    ) as conn:
+        await conn.recv_bytes()  # transcription_session.created
+        await conn.send(
+            {
+                "type": "transcription_session.update",  # type: ignore[misc,typeddict-item]
+                "session": {"input_audio_format": "g711_alaw", "turn_detection": None},
+            }
+        )
+        updated = json.loads(await conn.recv_bytes())
+        assert updated["session"]["input_audio_format"] == "g711_alaw", updated
+        for chunk in g711_chunks(line):
+            await conn.input_audio_buffer.append(audio=chunk)
+        await conn.input_audio_buffer.commit()
+        events: list[Any] = []
+
+        async def receive() -> None:
+            async for event in conn:
+                events.append(event)
+                if event.type == COMPLETED:
+                    return
+
+        await asyncio.wait_for(receive(), WAIT_S)
+    [transcript] = check_items(events)
+    assert wer(reference(manifest, CLIP), transcript) <= MAX_WER_CLIP, transcript
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -367,12 +451,25 @@ async def test_refused_events_get_openai_errors_and_the_session_goes_on(speech_d
                         "type": "session.update",
                         "session": {
                             "type": "transcription",
-                            "audio": {"input": {"format": {"type": "audio/pcmu"}}},
+                            "audio": {"input": {"format": {"type": "audio/opus"}}},
+                        },
+                    }
+                ),
+                "invalid_value",
+                "session.audio.input.format.type",
+            ),
+            (
+                json.dumps(
+                    {
+                        "type": "session.update",
+                        "session": {
+                            "type": "transcription",
+                            "audio": {"input": {"format": {"type": "audio/pcmu", "rate": 16000}}},
                         },
                     }
                 ),
                 "unsupported_value",
-                "session.audio.input.format.type",
+                "session.audio.input.format.rate",
             ),
             (
                 json.dumps({"type": "session.update", "session": {"type": "realtime"}}),
@@ -428,6 +525,35 @@ async def test_refused_events_get_openai_errors_and_the_session_goes_on(speech_d
         _, _, body = await http_get(server.http_url + "/metrics")
         received = metric_value(body.decode(), "whisperwire_audio_received_seconds_total")
         assert received == pytest.approx(len(pcm) / 2 / DEFAULT_RATE_HZ, abs=1e-3)
+
+
+async def test_g711_appends_of_any_length_are_all_audio_and_a_bad_name_lists_the_others(
+    speech_dir: Path,
+) -> None:
+    line = phone_line(load_clip(speech_dir / CLIP)[: 2 * SAMPLE_RATE_HZ])
+    async with scripted_server() as server, connect(realtime_url(server)) as ws:
+        await next_event(ws)
+        await send(
+            ws,
+            type="transcription_session.update",
+            session={"input_audio_format": "g711_ulaw_8k"},
+        )
+        error = (await next_event(ws, "error"))["error"]
+        assert error["param"] == "session.input_audio_format", error
+        assert "'pcm16', 'g711_ulaw', 'g711_alaw'" in error["message"]
+        await send(
+            ws,
+            type="transcription_session.update",
+            session={"input_audio_format": "g711_ulaw", "turn_detection": None},
+        )
+        assert (await next_event(ws))["session"]["input_audio_format"] == "g711_ulaw"
+        for piece in (line[:1], line[1:4001], line[4001:]):  # one byte is a whole sample
+            await send(ws, type="input_audio_buffer.append", audio=base64.b64encode(piece).decode())
+        await send(ws, type="input_audio_buffer.commit")
+        await next_event(ws, COMPLETED)
+        _, _, body = await http_get(server.http_url + "/metrics")
+        received = metric_value(body.decode(), "whisperwire_audio_received_seconds_total")
+        assert received == pytest.approx(len(line) / PHONE_RATE_HZ, abs=1e-3)
 
 
 async def test_the_format_cannot_change_after_audio(speech_dir: Path) -> None:

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
 from websockets.datastructures import Headers
 from websockets.http11 import Request
 
+from bench.corpus import ManifestRow, load_clip, wer
+from bench.phone_line import PHONE_RATE_HZ, phone_line
 from server.apis.adapters import SessionSettings
 from server.apis.registry import STREAM_APIS
 from server.apis.v1_stream import STREAM_PATH, V1Adapter, apply_text, settings_from_config
 from server.config import StreamingConfig, VadConfig
 from server.core.session import Session, Settled, StreamSettings
 from server.protocol.errors import ProtocolError
-from server.protocol.formats import AudioFormat
+from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
 from server.protocol.messages import ConfigMessage, FinalMessage
+from tests.helpers import stream_frames
 
 
 def _settings(multilingual: bool = False) -> SessionSettings:
@@ -52,6 +60,10 @@ def test_the_query_is_checked_as_config_is() -> None:
     assert session.language is None
     english = adapter.open_session(_settings(), Request(path, Headers()))
     assert english.language == "en"  # an English-only model has nothing to detect
+    g711 = adapter.open_session(
+        _settings(), Request(f"{STREAM_PATH}?encoding=alaw&sample_rate=8000", Headers())
+    )
+    assert g711.settings.audio_format == AudioFormat(8000, "alaw")
     for bad in ("sample_rate=fast", "language=de", "encoding=mp3"):
         with pytest.raises(ProtocolError) as info:
             adapter.open_session(_settings(), Request(f"{STREAM_PATH}?{bad}", Headers()))
@@ -101,3 +113,53 @@ def test_finals_are_the_streams_own_choice() -> None:
     assert queried.streaming.finals == "words"
     with pytest.raises(ProtocolError, match=r"in the URL query.*finals"):
         V1Adapter().open_session(_settings(), Request(f"{STREAM_PATH}?finals=all", Headers()))
+
+
+# --------------------------------------------------------------------------- G.711, served
+
+WAIT_S = 120.0  # a bound for waits on the real model on a busy 2-core machine
+MAX_WER_CLIP = 0.35  # as tests/test_app.py: one short clip, streamed
+PHONE_CLIP = "librispeech_test-clean/1089-134686-0000.wav"
+
+
+def _g711_frames(line: bytes, frame_bytes: int = 160) -> list[bytes]:
+    """A phone leg's 20 ms frames at 8 kHz (160 one-byte samples)."""
+    return [line[i : i + frame_bytes] for i in range(0, len(line), frame_bytes)]
+
+
+@pytest.mark.asyncio(loop_scope="session")  # the server_url fixture's loop
+@pytest.mark.parametrize("law", ["mulaw", "alaw"])
+async def test_a_phone_line_in_g711_streams_end_to_end(
+    law: str, server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    """mu-law named in the URL query, A-law in a ``config`` message: both at 8 kHz, 20 ms
+    frames, speech through a telephone channel; ``ready`` and ``done`` count every byte."""
+    clip = load_clip(speech_dir / PHONE_CLIP)
+    line = phone_line(np.concatenate([clip, np.zeros(SAMPLE_RATE_HZ // 2, np.float32)]), law)
+    url = f"{server_url}{STREAM_PATH}"
+    frames: list[bytes | str] = list(_g711_frames(line))
+    if law == "mulaw":
+        url += "?encoding=mulaw&sample_rate=8000"
+    else:
+        frames.insert(0, json.dumps({"type": "config", "encoding": law, "sample_rate": 8000}))
+    outcome = await asyncio.wait_for(stream_frames(url, frames), WAIT_S)
+    assert not outcome.of_type("error"), outcome.of_type("error")
+    if law == "mulaw":
+        ready = outcome.messages[0]
+        assert (ready["encoding"], ready["sample_rate"]) == ("mulaw", PHONE_RATE_HZ)
+    done = outcome.messages[-1]
+    assert done["audio_received_s"] == pytest.approx(len(line) / PHONE_RATE_HZ, abs=1e-3)
+    reference = next(row.transcript for row in manifest if row.file == PHONE_CLIP)
+    assert wer(reference, outcome.text) <= MAX_WER_CLIP, outcome.text
+
+
+@pytest.mark.asyncio(loop_scope="session")  # the server_url fixture's loop
+async def test_an_unknown_encoding_gets_v1s_error_listing_the_ones_taken(server_url: str) -> None:
+    url = f"{server_url}{STREAM_PATH}"
+    outcome = await asyncio.wait_for(
+        stream_frames(url, ['{"type": "config", "encoding": "ulaw"}']), WAIT_S
+    )
+    [error] = outcome.of_type("error")
+    assert error["code"] == "protocol_error"
+    assert "pcm_s16le, pcm_f32le, mulaw, alaw; got 'ulaw'" in error["message"]
+    assert outcome.messages[-1]["type"] == "done"

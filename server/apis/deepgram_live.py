@@ -2,8 +2,9 @@
 
 The message names and fields are those of the ``deepgram-sdk`` package's ``listen/v1`` types.
 Options come in the URL query and are checked before the handshake (``handshake_problem``:
-HTTP 400 for anything we cannot honour). Audio is binary frames of ``linear16``; text frames
-are ``KeepAlive``, ``Finalize`` and ``CloseStream``.
+HTTP 400 for anything we cannot honour). Audio is binary frames of raw ``linear16``, or of
+G.711 ``mulaw`` / ``alaw`` (telephone audio, one byte per sample), at ``sample_rate``; text
+frames are ``KeepAlive``, ``Finalize`` and ``CloseStream``.
 
 What the server sends:
 
@@ -96,6 +97,18 @@ QUERY_PARAMETERS = (
     *OFF_ONLY,
 )
 CHANNEL = [0, 1]  # channel index, of channel count: the one channel there is
+# Deepgram's names of the raw encodings we decode, and ours (``AudioFormat.encoding``).
+ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
+
+
+def audio_encoding(name: str | None) -> str:
+    """Our encoding for Deepgram's ``encoding`` option; ``ValueError`` lists the ones taken."""
+    if name not in ENCODINGS:
+        raise ValueError(
+            f"encoding={(name or '')[:20]} is not supported: send raw audio with encoding="
+            f"{', '.join(ENCODINGS)} and its sample_rate (containerized audio is not decoded)"
+        )
+    return ENCODINGS[name]
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,7 @@ class ListenOptions:
     """The query options of one stream, checked."""
 
     sample_rate_hz: int
+    encoding: str = "pcm_s16le"  # ours (``AudioFormat.encoding``), from Deepgram's name
     language: str | None = "en"  # a Whisper code; None: detect
     interim_results: bool = False
     punctuate: bool = False  # also with smart_format=true, as on Deepgram
@@ -153,16 +167,12 @@ def parse_options(path: str) -> ListenOptions:
     for name in OFF_ONLY:
         if flag(name, False):
             raise ValueError(f"{name}=true is not available on this server")
-    if one("encoding") != "linear16":
-        raise ValueError(
-            f"encoding={(one('encoding') or '')[:20]} is not supported: send raw "
-            "encoding=linear16 (containerized audio is not decoded)"
-        )
+    encoding = audio_encoding(one("encoding"))
     if one("channels") not in (None, "1"):
         raise ValueError("only channels=1 is supported")
     rate = one("sample_rate")
     if rate is None or not rate.isdigit() or len(rate) > 6:
-        raise ValueError("sample_rate (Hz) is required with encoding=linear16")
+        raise ValueError(f"sample_rate (Hz) is required with encoding={one('encoding')}")
     if not MIN_SAMPLE_RATE_HZ <= int(rate) <= MAX_SAMPLE_RATE_HZ:
         raise ValueError(f"sample_rate must be {MIN_SAMPLE_RATE_HZ} to {MAX_SAMPLE_RATE_HZ} Hz")
     language = language_code(one("language") or "en")
@@ -185,6 +195,7 @@ def parse_options(path: str) -> ListenOptions:
             raise ValueError("utterance_end_ms needs interim_results=true")
     return ListenOptions(
         sample_rate_hz=int(rate),
+        encoding=encoding,
         language=language,
         interim_results=interim,
         punctuate=flag("punctuate", False) or flag("smart_format", False),
@@ -240,7 +251,8 @@ class DeepgramAdapter:
         self._request_id = str(uuid.uuid4())
         self._created = datetime.datetime.now(datetime.timezone.utc)
         self._sha256 = hashlib.sha256()
-        self._odd_byte = b""
+        self._partial_sample = b""  # the start of a sample a frame cut, for the next frame
+        self._sample_bytes = 2
         self._held: list[FinalMessage] = []  # finals of closed speech, until it is settled
         self._closed_by_vad = False  # speech ended since the last Settled
         self._closed_by_finalize = False  # Finalize since the last Settled
@@ -257,9 +269,11 @@ class DeepgramAdapter:
         except ValueError as exc:
             raise ProtocolError(str(exc), close_code=1008) from exc
         self._options = options
+        audio_format = AudioFormat(sample_rate_hz=options.sample_rate_hz, encoding=options.encoding)
+        self._sample_bytes = audio_format.bytes_per_sample
         session = Session(
             settings.session_id,
-            audio_format=AudioFormat(sample_rate_hz=options.sample_rate_hz),
+            audio_format=audio_format,
             streaming=settings.streaming,
             vad=settings.vad,
             multilingual=settings.multilingual,
@@ -287,9 +301,9 @@ class DeepgramAdapter:
         if isinstance(frame, bytes):
             self._sha256.update(frame)
             # linear16 is a byte stream: a frame may end inside a sample, the next completes it.
-            data = self._odd_byte + frame
-            whole = len(data) - len(data) % 2
-            self._odd_byte = data[whole:]
+            data = self._partial_sample + frame
+            whole = len(data) - len(data) % self._sample_bytes
+            self._partial_sample = data[whole:]
             driver.feed_audio(data[:whole])
             self._check_utterance_end(driver)
             return

@@ -3,7 +3,8 @@
 (``recognize``) send it.
 
 The body is a file in any container PyAV reads (``Content-Type: audio/wav``, ``audio/mpeg``,
-...), or raw 16-bit PCM with ``encoding=linear16&sample_rate=N``. A JSON body asking us to
+...), or raw audio with ``encoding=linear16`` (16-bit PCM), ``mulaw`` or ``alaw`` (G.711,
+telephone audio) and ``sample_rate=N``. A JSON body asking us to
 fetch a ``url`` is refused: the server fetches nothing. The answer is Deepgram's: ``metadata``
 and ``results.channels[0].alternatives[0]`` with ``transcript``, ``confidence`` and ``words``
 (times, confidence, ``punctuated_word`` with ``punctuate`` or ``smart_format``), plus
@@ -27,9 +28,13 @@ from typing import Any
 from websockets.datastructures import Headers
 
 from server.apis.deepgram_live import (
+    ENCODINGS as RAW_ENCODINGS,
+)
+from server.apis.deepgram_live import (
     FILLER_WORDS,
     LISTEN_PATH,
     ListenQuery,
+    audio_encoding,
     language_code,
     model_info,
     model_uuid,
@@ -129,7 +134,8 @@ class DeepgramFileApi:
             )
         if not body:
             raise FileRequestError("the request has no audio in its body")
-        pcm_rate_hz = self._pcm_rate(one("encoding"), one("sample_rate"))
+        encoding = one("encoding")
+        pcm_rate_hz = self._pcm_rate(encoding, one("sample_rate"))
         detect = flag("detect_language")
         language = self._language(one("language"), detect, model)
         # keywords carry an optional ":intensifier"; the words themselves are the vocabulary.
@@ -141,6 +147,7 @@ class DeepgramFileApi:
             FALLBACK_TEMPERATURES,
             prompt=", ".join(vocabulary),
             pcm_rate_hz=pcm_rate_hz,
+            pcm_encoding="pcm_s16le" if encoding is None else audio_encoding(encoding),
             words=True,
             punctuate=flag("punctuate") or flag("smart_format"),
             filler_words=flag("filler_words"),
@@ -155,13 +162,14 @@ class DeepgramFileApi:
     def _pcm_rate(encoding: str | None, rate: str | None) -> int | None:
         if encoding is None:
             return None  # containerised: the file says what it holds
-        if encoding != "linear16":
+        if encoding not in RAW_ENCODINGS:
             raise FileRequestError(
                 f"encoding={encoding[:20]} is not supported: send a containerised file "
-                "(wav, mp3, ogg, ...) without encoding, or raw encoding=linear16"
+                "(wav, mp3, ogg, ...) without encoding, or raw audio with encoding="
+                f"{', '.join(RAW_ENCODINGS)} and its sample_rate"
             )
         if rate is None or not rate.isdigit() or len(rate) > 6:
-            raise FileRequestError("sample_rate (Hz) is required with encoding=linear16")
+            raise FileRequestError(f"sample_rate (Hz) is required with encoding={encoding[:20]}")
         if not MIN_SAMPLE_RATE_HZ <= int(rate) <= MAX_SAMPLE_RATE_HZ:
             raise FileRequestError(
                 f"sample_rate must be {MIN_SAMPLE_RATE_HZ} to {MAX_SAMPLE_RATE_HZ} Hz"

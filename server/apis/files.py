@@ -46,12 +46,13 @@ class ModelFacts:
 class FileJob:
     """One recording to transcribe, as its API asked for it."""
 
-    media: bytes  # a file in any container PyAV reads, or raw PCM (``pcm_rate_hz``)
+    media: bytes  # a file in any container PyAV reads, or raw audio (``pcm_rate_hz``)
     options: DecodeOptions
     temperatures: tuple[float, ...]
     prompt: str = ""  # text the decoding is conditioned on (vocabulary, earlier text)
     stream: bool = False  # answer with server-sent events as the windows are decoded
-    pcm_rate_hz: int | None = None  # raw 16-bit little-endian mono PCM at this rate
+    pcm_rate_hz: int | None = None  # raw mono audio at this rate, in ``pcm_encoding``
+    pcm_encoding: str = "pcm_s16le"  # an ``AudioFormat.encoding``: s16le, or G.711
     response_format: str = "json"
     words: bool = False  # word times in the answer
     speakers: bool = False  # each word's speaker (``Finished.speakers``)

@@ -5,7 +5,8 @@ of the ``openai`` package's ``types/realtime`` (the GA API) and, for clients tha
 ``OpenAI-Beta: realtime=v1``, of ``types/beta/realtime`` (``transcription_session.*``).
 
 Client events: ``session.update`` (or the beta ``transcription_session.update``),
-``input_audio_buffer.append`` (base64 PCM16, 24 kHz unless the session says otherwise),
+``input_audio_buffer.append`` (base64 PCM16, 24 kHz unless the session says otherwise; or
+G.711 at 8 kHz: ``audio/pcmu`` / ``audio/pcma``, the beta's ``g711_ulaw`` / ``g711_alaw``),
 ``.commit`` and ``.clear``. Every other client event gets an ``error`` event, as does any
 session field we cannot honour (see ``docs/compat.md``).
 
@@ -56,6 +57,10 @@ from server.protocol.messages import (
 
 REALTIME_PATH = "/v1/realtime"
 DEFAULT_RATE_HZ = 24_000  # OpenAI's PCM16 is 24 kHz; the session resamples it to 16 kHz
+G711_RATE_HZ = 8_000  # OpenAI's G.711 formats carry no rate: a phone line's 8 kHz
+# Each input audio format by its GA type and its beta name, as our encoding.
+GA_FORMATS = {"audio/pcm": "pcm_s16le", "audio/pcmu": "mulaw", "audio/pcma": "alaw"}
+BETA_FORMATS = {"pcm16": "pcm_s16le", "g711_ulaw": "mulaw", "g711_alaw": "alaw"}
 BETA_HEADER = "OpenAI-Beta"
 BETA_VALUE = "realtime=v1"  # what the openai package's beta client sends
 QUERY_PARAMETERS = ("intent", "model", "token")  # model: the beta client always sends one
@@ -139,6 +144,7 @@ class _Config:
     """A transcription session's settings, as its client sees them."""
 
     rate_hz: int = DEFAULT_RATE_HZ
+    encoding: str = "pcm_s16le"  # ours (``AudioFormat.encoding``): PCM16 or G.711
     language: str | None = "en"
     server_vad: bool = True
     # server_vad's parameters as asked; None: the server's own
@@ -167,7 +173,7 @@ class RealtimeAdapter:
         self._config = _Config()
         self._vad = VadConfig()  # the session's VAD as its settings make it
         self._event_id: str | None = None  # of the client event being handled
-        self._odd_byte = b""  # half a sample, completed by the next append
+        self._partial_sample = b""  # the start of a sample, completed by the next append
         self._uncommitted = False  # audio appended since the last commit or clear
         self._appended = False
         self._events = 0
@@ -266,9 +272,9 @@ class RealtimeAdapter:
                 "'audio' is not valid base64", code="invalid_value", param="audio"
             ) from None
         # The buffer is a byte stream: an append may end inside a sample, the next completes it.
-        data = self._odd_byte + data
-        whole = len(data) - len(data) % 2
-        self._odd_byte = data[whole:]
+        data = self._partial_sample + data
+        whole = len(data) - len(data) % driver.settings.audio_format.bytes_per_sample
+        self._partial_sample = data[whole:]
         if whole:
             driver.feed_audio(data[:whole])
             self._uncommitted = True
@@ -293,8 +299,8 @@ class RealtimeAdapter:
             settings = driver.session.resolve(
                 dataclasses.replace(
                     current,
-                    audio_format=dataclasses.replace(
-                        current.audio_format, sample_rate_hz=wanted.rate_hz
+                    audio_format=AudioFormat(
+                        sample_rate_hz=wanted.rate_hz, encoding=wanted.encoding
                     ),
                     language=wanted.language,
                     end_of_speech_ms=None
@@ -463,7 +469,7 @@ class RealtimeAdapter:
             return {
                 "id": session_id,
                 "object": "realtime.transcription_session",
-                "input_audio_format": "pcm16",
+                "input_audio_format": _name_of(config.encoding, BETA_FORMATS),
                 "input_audio_transcription": transcription,
                 "turn_detection": turn_detection,
                 "input_audio_noise_reduction": None,
@@ -476,7 +482,7 @@ class RealtimeAdapter:
             "object": "realtime.transcription_session",
             "audio": {
                 "input": {
-                    "format": {"type": "audio/pcm", "rate": config.rate_hz},
+                    "format": _ga_format(config),
                     "transcription": transcription,
                     "turn_detection": turn_detection,
                     "noise_reduction": None,
@@ -600,19 +606,23 @@ def _ga_config(session: Mapping[str, Any], current: _Config) -> _Config:
     _reject_unknown(
         audio_input, ("format", "transcription", "turn_detection", "noise_reduction"), where
     )
-    rate_hz = current.rate_hz
+    rate_hz, encoding = current.rate_hz, current.encoding
     audio_format = _object(audio_input, "format", where)
     if audio_format is not None:
         _reject_unknown(audio_format, ("type", "rate"), f"{where}.format")
-        if audio_format.get("type", "audio/pcm") != "audio/pcm":
-            raise _refuse(f"{where}.format.type", "only 'audio/pcm' (16-bit PCM) is supported")
-        rate_hz = _rate(audio_format.get("rate", DEFAULT_RATE_HZ), f"{where}.format.rate")
+        kind = audio_format.get("type", "audio/pcm")
+        encoding = _choice(kind, GA_FORMATS, f"{where}.format.type")
+        if encoding == "pcm_s16le":
+            rate_hz = _rate(audio_format.get("rate", DEFAULT_RATE_HZ), f"{where}.format.rate")
+        elif audio_format.get("rate", G711_RATE_HZ) != G711_RATE_HZ:
+            raise _refuse(f"{where}.format.rate", f"{kind} has no rate: it is 8 kHz")
+        else:
+            rate_hz = G711_RATE_HZ
     if audio_input.get("noise_reduction") is not None:
         raise _refuse(f"{where}.noise_reduction", "noise reduction is not available; send null")
     language = _transcription(audio_input, where, current.language)
-    return _turn_detection(
-        audio_input, where, dataclasses.replace(current, rate_hz=rate_hz, language=language)
-    )
+    wanted = dataclasses.replace(current, rate_hz=rate_hz, encoding=encoding, language=language)
+    return _turn_detection(audio_input, where, wanted)
 
 
 def _beta_config(session: Mapping[str, Any], current: _Config) -> _Config:
@@ -630,9 +640,11 @@ def _beta_config(session: Mapping[str, Any], current: _Config) -> _Config:
         ),
         where,
     )
-    fmt = session.get("input_audio_format", "pcm16")
-    if fmt != "pcm16":
-        raise _refuse(f"{where}.input_audio_format", "only 'pcm16' is supported")
+    encoding = _choice(
+        session.get("input_audio_format", "pcm16"), BETA_FORMATS, f"{where}.input_audio_format"
+    )
+    # The beta's PCM16 is always 24 kHz, its G.711 8 kHz.
+    rate_hz = DEFAULT_RATE_HZ if encoding == "pcm_s16le" else G711_RATE_HZ
     if session.get("input_audio_noise_reduction") is not None:
         raise _refuse(
             f"{where}.input_audio_noise_reduction", "noise reduction is not available; send null"
@@ -645,14 +657,37 @@ def _beta_config(session: Mapping[str, Any], current: _Config) -> _Config:
     if "turn_detection" in session:
         renamed["turn_detection"] = session["turn_detection"]
     language = _transcription(renamed, where, current.language, key="input_audio_transcription")
-    return _turn_detection(
-        renamed, where, dataclasses.replace(current, rate_hz=DEFAULT_RATE_HZ, language=language)
-    )
+    wanted = dataclasses.replace(current, rate_hz=rate_hz, encoding=encoding, language=language)
+    return _turn_detection(renamed, where, wanted)
 
 
 def _check_include(session: Mapping[str, Any]) -> None:
     if session.get("include") not in (None, []):
         raise _refuse("session.include", "logprobs are not available")
+
+
+def _choice(value: Any, names: Mapping[str, str], param: str) -> str:
+    """Our encoding for an audio format's name; an error listing the names taken."""
+    if not isinstance(value, str) or value not in names:
+        shown = value[:40] if isinstance(value, str) else value
+        raise RealtimeRequestError(
+            f"Invalid value: {shown!r}. Supported values are: {', '.join(repr(n) for n in names)}",
+            code="invalid_value",
+            param=param,
+        )
+    return names[value]
+
+
+def _name_of(encoding: str, names: Mapping[str, str]) -> str:
+    return next(name for name, ours in names.items() if ours == encoding)
+
+
+def _ga_format(config: _Config) -> dict[str, Any]:
+    """The GA session's ``format`` object: PCM16 has a rate, G.711's types have none."""
+    kind = _name_of(config.encoding, GA_FORMATS)
+    if config.encoding == "pcm_s16le":
+        return {"type": kind, "rate": config.rate_hz}
+    return {"type": kind}
 
 
 def _rate(value: Any, param: str) -> int:

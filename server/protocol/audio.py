@@ -1,5 +1,7 @@
 """PCM ingest: decode client frames to 16 kHz mono float32, read audio files, encode s16le.
 
+Frames are linear PCM (s16le, f32le) or G.711 (mu-law, A-law: ``server.protocol.g711``).
+
 Nothing here touches a socket or an event loop. A session owns one ``PcmDecoder`` and feeds
 it every binary frame; the decoder validates the frame, converts it to float32 in [-1, 1] and
 resamples it to ``SAMPLE_RATE_HZ`` with a streaming resampler, so frames may be any length.
@@ -16,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import soxr
 
+from server.protocol import g711
 from server.protocol.errors import AudioFormatError, FrameTooLargeError
 from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
 
@@ -46,7 +49,6 @@ class PcmDecoder:
             raise ValueError(f"max_frame_bytes must be > 0; got {max_frame_bytes}")
         self._fmt = fmt
         self._max_frame_bytes = max_frame_bytes
-        self._dtype = np.dtype("<i2") if fmt.encoding == "pcm_s16le" else np.dtype("<f4")
         # 16 kHz input needs no resampling; a pass-through resampler would only add delay.
         self._resampler: soxr.ResampleStream | None = None
         if fmt.sample_rate_hz != SAMPLE_RATE_HZ:
@@ -102,10 +104,14 @@ class PcmDecoder:
                 f"frame of {size} bytes is not a whole number of {width}-byte "
                 f"{self._fmt.encoding} samples"
             )
-        raw = np.frombuffer(frame, dtype=self._dtype)
-        if self._fmt.encoding == "pcm_s16le":
+        encoding = self._fmt.encoding
+        if encoding in g711.LAWS:
+            samples = g711.decode(frame, encoding)
+        elif encoding == "pcm_s16le":
+            raw = np.frombuffer(frame, dtype="<i2")
             samples = raw.astype(np.float32) / np.float32(_S16_SCALE)
         else:
+            raw = np.frombuffer(frame, dtype="<f4")
             if not np.isfinite(raw).all():
                 bad = int(np.count_nonzero(~np.isfinite(raw)))
                 raise AudioFormatError(

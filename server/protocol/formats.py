@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SAMPLE_RATE_HZ = 16_000  # Whisper's input rate; everything downstream of ingest runs at it
-ENCODINGS = ("pcm_s16le", "pcm_f32le")
+# Linear PCM, and G.711's mu-law and A-law (telephone audio: one byte per sample).
+ENCODINGS = ("pcm_s16le", "pcm_f32le", "mulaw", "alaw")
+_BYTES_PER_SAMPLE = {"pcm_s16le": 2, "pcm_f32le": 4, "mulaw": 1, "alaw": 1}
 MIN_SAMPLE_RATE_HZ = 8_000
 MAX_SAMPLE_RATE_HZ = 48_000
 TASKS = ("transcribe", "translate")
@@ -21,7 +23,8 @@ FINALS = ("words", "utterance")
 
 @dataclass(frozen=True)
 class AudioFormat:
-    """What the client says it sends: mono PCM at some rate, little-endian."""
+    """What the client says it sends: mono audio at some rate, linear PCM little-endian or
+    G.711 (``mulaw``, ``alaw``)."""
 
     sample_rate_hz: int = SAMPLE_RATE_HZ
     encoding: str = "pcm_s16le"
@@ -39,4 +42,4 @@ class AudioFormat:
 
     @property
     def bytes_per_sample(self) -> int:
-        return 2 if self.encoding == "pcm_s16le" else 4
+        return _BYTES_PER_SAMPLE[self.encoding]

@@ -45,7 +45,8 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 from websockets.server import ServerProtocol
 
-from server.apis.registry import STREAM_APIS
+from server.apis.registry import CALL_ROUTES, STREAM_APIS
+from server.apis.twilio_media import CallHub, ServedConnection, TwilioConfig, Webhook
 from server.apis.v1_stream import STREAM_PATH
 from server.config import PipelineConfig, ServerConfig, StreamingConfig, VadConfig, WyomingConfig
 from server.core.engine_api import SpeechEngine
@@ -101,9 +102,14 @@ class WhisperwireServer:
         streaming: StreamingConfig | None = None,
         vad: VadConfig | None = None,
         wyoming: WyomingConfig | None = None,
+        twilio: TwilioConfig | None = None,
     ) -> None:
         self.config = server or ServerConfig()
         self.wyoming_config = wyoming or WyomingConfig()
+        # Twilio Media Streams: calls meet their subscribers here; finals go to the webhook.
+        self.twilio = twilio or TwilioConfig()
+        self.calls = CallHub(self.twilio.subscriber_queue_events)
+        self.webhook = Webhook(self.twilio) if self.twilio.webhook_url is not None else None
         self.metrics = Metrics()
         self.pipeline = Pipeline(pipeline, metrics=self.metrics)
         self.streaming = streaming or StreamingConfig()
@@ -339,6 +345,7 @@ class WhisperwireServer:
                 self._wyoming.close()
             for conn in list(self._connections):
                 conn.request_stop(SHUTDOWN)
+            self.calls.close()  # subscribers waiting for calls that never started
             try:
                 await asyncio.wait_for(
                     self._ws_server.wait_closed(), self.config.shutdown_timeout_s
@@ -353,6 +360,13 @@ class WhisperwireServer:
                 await self._ws_server.wait_closed()
         if self._wyoming is not None:
             await self._wyoming.wait_closed(self.config.shutdown_timeout_s)
+        if self.webhook is not None:
+            # The last calls' finals get the shutdown timeout to reach the webhook.
+            try:
+                await asyncio.wait_for(self.webhook.wait_idle(), self.config.shutdown_timeout_s)
+            except asyncio.TimeoutError:
+                logger.warning("the webhook did not take the last finals in time")
+            await self.webhook.close()
         # Uploads being answered finish too (new ones get 503 since the shutdown began).
         await self.rest.wait_finished(self.config.shutdown_timeout_s)
         if self._loading is not None and not self._loading.done():
@@ -400,9 +414,21 @@ class WhisperwireServer:
         log = logging.LoggerAdapter(logger, {"session_id": session_id})
         path = urlsplit(ws.request.path if ws.request is not None else "").path
         # routes.py lets only the handshakes of the APIs' paths through
-        adapter = STREAM_APIS[path if path in STREAM_APIS else STREAM_PATH].adapter()
+        call = CALL_ROUTES.get(path)
+        adapter = (
+            None if call is not None else STREAM_APIS.get(path, STREAM_APIS[STREAM_PATH]).adapter()
+        )
         if self._closing or not self.pipeline.ready:
             await close_quietly(ws, 1001, "server shutting down", self.config.close_timeout_s)
+            return
+        if call is not None and not call.stream:
+            # An events subscriber decodes nothing: not a session, and never refused as one.
+            try:
+                await call.connection(ws, session_id, self).run()
+            except Exception:
+                log.error("subscriber connection failed", exc_info=True)
+                self.metrics.errors.inc(1, "internal")
+                await close_quietly(ws, 1011, "internal server error", self.config.close_timeout_s)
             return
         full = self.full_reason()
         if full is not None:
@@ -415,15 +441,19 @@ class WhisperwireServer:
                 ws, "server_full", full.message, 1013, self.config.close_timeout_s, adapter
             )
             return
-        conn = Connection(
-            ws,
-            session_id,
-            pipeline=self.pipeline,
-            metrics=self.metrics,
-            config=self.config,
-            streaming=self.streaming,
-            vad=self.vad,
-            adapter=adapter,
+        conn: ServedConnection = (
+            call.connection(ws, session_id, self)
+            if call is not None
+            else Connection(
+                ws,
+                session_id,
+                pipeline=self.pipeline,
+                metrics=self.metrics,
+                config=self.config,
+                streaming=self.streaming,
+                vad=self.vad,
+                adapter=adapter,
+            )
         )
         self.track(conn)
         self.metrics.sessions_total.inc()
@@ -434,7 +464,7 @@ class WhisperwireServer:
             log.error("connection failed", exc_info=True)
             self.metrics.errors.inc(1, "internal")
             await refuse(
-                ws, "internal", "internal server error", 1011, conn.close_timeout_s, adapter
+                ws, "internal", "internal server error", 1011, self.config.close_timeout_s, adapter
             )
         finally:
             await self.untrack(conn)
@@ -471,6 +501,7 @@ async def run_server(
     streaming: StreamingConfig | None = None,
     vad: VadConfig | None = None,
     wyoming: WyomingConfig | None = None,
+    twilio: TwilioConfig | None = None,
     on_ready: Callable[[WhisperwireServer], None] | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, then shut down gracefully: on SIGTERM drain first
@@ -486,6 +517,7 @@ async def run_server(
         streaming=streaming,
         vad=vad,
         wyoming=wyoming,
+        twilio=twilio,
     )
     loop = asyncio.get_running_loop()
     stop: asyncio.Future[signal.Signals] = loop.create_future()

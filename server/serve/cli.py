@@ -16,6 +16,7 @@
                        [--tls-cert PEM --tls-key PEM] [--drain-s 0] [--log-level info]
                        [--wyoming-port 10300 [--wyoming-host 127.0.0.1]
                         [--no-wyoming-zeroconf]]
+                       [--twilio-auth-token TOKEN] [--twilio-webhook-url URL]
 
 SIGTERM drains for up to ``--drain-s`` (new sessions refused, open ones served), then
 finishes the open sessions (finals, ``done``, close 1001); SIGINT finishes them at once; a
@@ -40,6 +41,7 @@ from collections.abc import Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from server.apis.twilio_media import TwilioConfig
 from server.config import (
     COMFORT_UTILIZATION,
     PipelineConfig,
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("server.serve.cli")
 
 API_KEY_ENV = "WHISPERWIRE_API_KEY"
+TWILIO_TOKEN_ENV = "TWILIO_AUTH_TOKEN"  # the name Twilio's own libraries read it from
 EXIT_OK = 0
 EXIT_USAGE = 2  # argparse's status for bad flags; also a model, TLS file or port we cannot use
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -342,6 +345,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="a browser Origin allowed besides the server's own page (repeatable; '*': any)",
     )
+    twilio = parser.add_argument_group("Twilio Media Streams (docs/telephony.md)")
+    twilio.add_argument(
+        "--twilio-auth-token",
+        default=os.environ.get(TWILIO_TOKEN_ENV) or None,
+        metavar="TOKEN",
+        help="take /twilio/media streams only when signed with this account's auth token "
+        f"(X-Twilio-Signature); default ${TWILIO_TOKEN_ENV}",
+    )
+    twilio.add_argument(
+        "--twilio-webhook-url",
+        metavar="URL",
+        help="POST each final of every call here as JSON (bounded retries, never blocking)",
+    )
     shutdown = parser.add_argument_group("shutdown")
     shutdown.add_argument(
         "--drain-s",
@@ -458,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
         wyoming = WyomingConfig(
             port=args.wyoming_port, host=args.wyoming_host, zeroconf=args.wyoming_zeroconf
         )
+        twilio = TwilioConfig(
+            auth_token=args.twilio_auth_token, webhook_url=args.twilio_webhook_url
+        )
         from server.engine.engine import EngineConfig
 
         engine_config = EngineConfig(
@@ -494,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                 pipeline=pipeline,
                 streaming=streaming,
                 wyoming=wyoming,
+                twilio=twilio,
             )
         )
     except ModelError as exc:

@@ -301,9 +301,9 @@ def _audio(job: FileJob) -> Float32Array:
     """The job's audio as 16 kHz mono float32 (runs in a worker thread)."""
     if job.pcm_rate_hz is None:
         return decode_media(job.media, max_duration_s=MAX_FILE_DURATION_S)
-    if len(job.media) % 2:
+    fmt = AudioFormat(sample_rate_hz=job.pcm_rate_hz, encoding=job.pcm_encoding)
+    if len(job.media) % fmt.bytes_per_sample:
         raise MediaError("raw linear16 audio must have an even number of bytes")
-    fmt = AudioFormat(sample_rate_hz=job.pcm_rate_hz)
     try:
         pcm = PcmDecoder(fmt, max_frame_bytes=max(2, len(job.media)))
         samples = pcm.decode(job.media)

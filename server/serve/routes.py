@@ -25,7 +25,8 @@ from urllib.parse import urlsplit
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from server.apis.registry import STREAM_APIS
+from server.apis.registry import CALL_ROUTES, STREAM_APIS
+from server.apis.twilio_media import CallRoute, TwilioConfig
 from server.config import ServerConfig, StreamingConfig
 from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from server.metrics import Metrics
@@ -67,6 +68,9 @@ class ServerState(Protocol):
 
     @property
     def streaming(self) -> StreamingConfig: ...
+
+    @property
+    def twilio(self) -> TwilioConfig: ...
 
     @property
     def ready(self) -> bool: ...
@@ -136,6 +140,9 @@ def process_request(server: ServerState, request: Request) -> Response | None:
             server.metrics.sessions_refused.inc(1, "bad_request")
             return response(HTTPStatus.BAD_REQUEST, problem + "\n")
         return _refuse_if_full(server)
+    call = CALL_ROUTES.get(path)
+    if call is not None:
+        return _check_call_request(server, request, call)
     if path == "/healthz":
         return response(HTTPStatus.OK, "ok\n")
     if path == "/readyz":
@@ -160,8 +167,29 @@ def process_request(server: ServerState, request: Request) -> Response | None:
     return response(HTTPStatus.NOT_FOUND, f"not found: {path[:100]}\n")
 
 
+def _check_call_request(server: ServerState, request: Request, call: CallRoute) -> Response | None:
+    """A telephony handshake: its own credential (Twilio's signature) or the API key, its
+    query, and room for one more stream when it decodes audio."""
+    verdict = call.authorize(request, server.twilio)
+    if isinstance(verdict, tuple):
+        server.metrics.sessions_refused.inc(1, "unauthorized")
+        return response(HTTPStatus(verdict[0]), verdict[1] + "\n")
+    refused = _check_stream_request(server, request, ("bearer",), check_key=verdict is None)
+    if refused is not None:
+        return refused
+    problem = call.problem(request, server.streaming) if call.problem is not None else None
+    if problem is not None:
+        server.metrics.sessions_refused.inc(1, "bad_request")
+        return response(HTTPStatus.BAD_REQUEST, problem + "\n")
+    return _refuse_if_full(server) if call.stream else None
+
+
 def _check_stream_request(
-    server: ServerState, request: Request, auth_schemes: tuple[str, ...]
+    server: ServerState,
+    request: Request,
+    auth_schemes: tuple[str, ...],
+    *,
+    check_key: bool = True,
 ) -> Response | None:
     """Refuse the handshake (HTTP status) for an unready server, a bad token or Origin."""
     config, metrics = server.config, server.metrics
@@ -175,8 +203,10 @@ def _check_stream_request(
             f"the server is not ready ({state}); retry later\n",
             headers={"Retry-After": str(config.retry_after_s)},
         )
-    if config.api_key is not None and not api_key_offered(
-        request, config.api_key, schemes=auth_schemes
+    if (
+        check_key
+        and config.api_key is not None
+        and not api_key_offered(request, config.api_key, schemes=auth_schemes)
     ):
         metrics.sessions_refused.inc(1, "unauthorized")
         return response(
