@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # carry more than two workers. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 3
 
-.PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-gpu bench-beam bench-streaming bench-capacity bench-speakers bench-uploads bench-vocabulary clean
+.PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-gpu bench-beam bench-streaming bench-capacity bench-speakers bench-uploads bench-vocabulary bench-punctuation clean
 .PHONY: peer bench-latency bench-accuracy bench-ablation bench-turns bench-wyoming bench-served bench-telephony tmux bench-turn-model bench-vad
 
 install: $(STAMP)
@@ -135,6 +135,11 @@ bench-wyoming: $(STAMP)
 # same clips at 16 kHz, and the levers on the 8 kHz path. BENCH_TELEPHONY_ARGS: e.g. --limit 5
 bench-telephony: $(STAMP)
 	$(PY) -m bench.telephony $(BENCH_TELEPHONY_ARGS)
+
+# Sentence ends, commas and capitals of the streamed finals beside offline's, and words after
+# the last spoken word, on every English long recording. BENCH_PUNCTUATION_ARGS: e.g. --short
+bench-punctuation: $(STAMP)
+	$(PY) -m bench.punctuation $(BENCH_PUNCTUATION_ARGS)
 
 bench-served: $(STAMP)
 	$(PY) -m bench.served $(BENCH_SERVED_ARGS)

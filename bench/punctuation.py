@@ -1,0 +1,331 @@
+"""Captions that read like the transcript: sentence ends, commas and capitals in the streamed
+finals beside an offline decode of the same audio, and words after the last spoken word.
+
+    python -m bench.punctuation                  # or: make bench-punctuation
+    python -m bench.punctuation --modes utterance --set streaming.rules.disabled='["x"]'
+
+Every normaliser a WER uses strips punctuation and case, so no accuracy figure sees a caption
+that runs on as one lower-case sentence. This one counts, per recording and pooled:
+- sentence ends (a word ending in . ? !), commas, and the sentences that start with a capital,
+  in the streamed finals, in the offline decode (``transcribe_audio``'s long-form loop, as
+  ``bench.accuracy`` calls it) and in the reference where it is punctuated (LJ Speech, the
+  sonnets; LibriSpeech's is upper case without punctuation);
+- the streamed ends and commas as a share of offline's (the issue's targets: >= 90% and 80%);
+- words after the last reference word (``Counts.trailing_insertions``), streamed and offline;
+- errors against the reference and final latency p95, so a lever's cost shows beside it.
+
+The recordings: every English one in ``manifest_long.tsv``, and ``test-other nopause``: the
+ten clips of one test-other chapter with the silence at their edges trimmed, joined back to
+back, so that hard speech, too, comes as one long utterance with no pause (built here from
+the shared clips, in memory). With ``--short`` the English short clips of ``manifest.tsv`` are
+streamed too, for their trailing insertions only.
+
+Each recording is streamed through ``Session`` at the modelled decode cost
+(``bench.accuracy.modelled_cost_s``), so the text is the same on every run; decodes are kept
+in ``--cache`` (``bench.ablation.DecodeCache``) and offline transcripts in
+``--offline-cache``, so a rerun decodes only what a change moved. One stream at a time (4
+concurrent streams are not simulated here). Writes ``bench/results/punctuation.json``
+(``--out NAME``) and prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.ablation import DecodeCache
+from bench.accuracy import _overrides, modelled_cost_s
+from bench.accuracy_metrics import count_errors
+from bench.corpus import read_manifest
+from bench.engine import Float32Array, load_speech, speech_dir, write_results
+from bench.simulate import simulate
+from server.config import StreamingConfig
+from server.core.cuts import SENTENCE_END
+from server.engine.engine import Engine, EngineConfig
+from server.engine.offline import transcribe_audio
+from server.protocol.formats import SAMPLE_RATE_HZ
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CACHE = REPO / ".cache" / "punctuation-decodes.pkl"
+DEFAULT_OFFLINE = REPO / ".cache" / "punctuation-offline.json"
+MODES = ("utterance", "words")
+NOPAUSE_CHAPTER = "3080-5032"  # the test-other chapter joined with no pause
+NOPAUSE = f"test-other nopause {NOPAUSE_CHAPTER}"
+# Closing quotes and brackets after a sentence's mark ("... die.'") still end it.
+_CLOSERS = "\"')]”’»"
+
+
+@dataclass(frozen=True)
+class Marks:
+    """The punctuation and capitals of one text."""
+
+    words: int
+    sentence_ends: int
+    commas: int
+    sentences: int  # the first word and every word after a sentence end
+    capitalised: int  # ... of which start with a capital letter
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "words": self.words,
+            "sentence_ends": self.sentence_ends,
+            "commas": self.commas,
+            "sentences": self.sentences,
+            "capitalised": self.capitalised,
+        }
+
+
+def marks_of(text: str) -> Marks:
+    """Count ``text``'s sentence ends, commas and sentence-initial capitals."""
+    words = [w for w in text.split() if any(ch.isalnum() for ch in w)]
+    ends = commas = sentences = capitalised = 0
+    starts_sentence = True
+    for word in words:
+        if starts_sentence:
+            sentences += 1
+            first = next((ch for ch in word if ch.isalpha()), "")
+            capitalised += first.isupper()
+        bare = word.rstrip(_CLOSERS)
+        starts_sentence = bare.endswith(SENTENCE_END)
+        ends += starts_sentence
+        commas += word.count(",")
+    return Marks(len(words), ends, commas, sentences, capitalised)
+
+
+def _share(part: int, whole: int) -> float | None:
+    return round(part / whole, 3) if whole else None
+
+
+def _edges(audio: Float32Array, *, frame_s: float = 0.02, floor_db: float = -35.0) -> Float32Array:
+    """``audio`` without the quiet at its start and end: frames more than ``floor_db`` under
+    the loudest frame, keeping 60 ms of margin so no word's edge is lost."""
+    frame = int(frame_s * SAMPLE_RATE_HZ)
+    n = audio.shape[0] // frame
+    if n == 0:
+        return audio
+    rms = np.sqrt(np.mean(audio[: n * frame].reshape(n, frame) ** 2, axis=1) + 1e-12)
+    loud = np.nonzero(20 * np.log10(rms / rms.max()) > floor_db)[0]
+    if loud.size == 0:
+        return audio
+    margin = 3
+    start = max(0, int(loud[0]) - margin) * frame
+    end = min(n, int(loud[-1]) + 1 + margin) * frame
+    return audio[start:end]
+
+
+def nopause_recording(chapter: str = NOPAUSE_CHAPTER) -> tuple[Float32Array, str]:
+    """One test-other chapter's clips, their edges trimmed, back to back; and the reference."""
+    rows = [
+        r
+        for r in read_manifest(speech_dir() / "manifest.tsv")
+        if r.file.startswith(f"librispeech_test-other/{chapter}-")
+    ]
+    if not rows:
+        raise SystemExit(f"no test-other clips of chapter {chapter} in manifest.tsv")
+    rows.sort(key=lambda r: r.file)
+    audio = np.concatenate([_edges(load_speech(r.file)) for r in rows]).astype(np.float32)
+    return audio, " ".join(r.transcript for r in rows)
+
+
+def recordings(short: bool) -> list[tuple[str, str, bool]]:
+    """(name, reference, long) of each recording: the long English ones, the no-pause chapter,
+    and with ``short`` the English short clips."""
+    folder = speech_dir()
+    out = [
+        (r.file, r.transcript, True)
+        for r in read_manifest(folder / "manifest_long.tsv")
+        if r.language == "en"
+    ]
+    out.append((NOPAUSE, "", True))
+    if short:
+        out += [
+            (r.file, r.transcript, False)
+            for r in read_manifest(folder / "manifest.tsv")
+            if r.language == "en"
+        ]
+    return out
+
+
+def punctuated(reference: str) -> bool:
+    """Whether a reference carries punctuation and case (LibriSpeech's does not)."""
+    return any(ch in reference for ch in ".,?!") and reference != reference.upper()
+
+
+def _p95(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))], 3)
+
+
+def run_recording(
+    engine: Engine,
+    cache: DecodeCache,
+    audio: Float32Array,
+    reference: str,
+    offline: str,
+    streaming: StreamingConfig,
+    *,
+    long: bool,
+) -> dict[str, Any]:
+    """One recording streamed: its marks beside offline's and the reference's."""
+    result = simulate(
+        engine,
+        audio,
+        streaming=streaming,
+        decode_cost_s=modelled_cost_s,
+        spare_lane=streaming.finals == "utterance",
+        decoder=cache,
+    )
+    text = result.text
+    streamed = count_errors(reference, text)
+    off = count_errors(reference, offline)
+    row: dict[str, Any] = {
+        "audio_s": round(audio.shape[0] / SAMPLE_RATE_HZ, 2),
+        "long": long,
+        "errors": streamed.errors,
+        "errors_offline": off.errors,
+        "ref_words": streamed.ref_words,
+        "trailing_insertions": streamed.trailing_insertions,
+        "trailing_insertions_offline": off.trailing_insertions,
+        "final_p95_s": _p95(result.final_latencies_s()),
+        "text": text,
+    }
+    if long:
+        mine, theirs = marks_of(text), marks_of(offline)
+        row["streamed"] = mine.as_dict()
+        row["offline"] = theirs.as_dict()
+        row["offline_text"] = offline
+        if punctuated(reference):
+            row["reference"] = marks_of(reference).as_dict()
+        row["ends_vs_offline"] = _share(mine.sentence_ends, theirs.sentence_ends)
+        row["commas_vs_offline"] = _share(mine.commas, theirs.commas)
+        row["capitalised_share"] = _share(mine.capitalised, mine.sentences)
+    return row
+
+
+def pooled(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The long recordings' marks summed; trailing insertions over every recording."""
+    long = [r for r in rows if r["long"]]
+    out: dict[str, Any] = {}
+    for side in ("streamed", "offline"):
+        out[side] = {k: sum(r[side][k] for r in long) for k in Marks.__dataclass_fields__}
+    s, o = out["streamed"], out["offline"]
+    out["ends_vs_offline"] = _share(s["sentence_ends"], o["sentence_ends"])
+    out["commas_vs_offline"] = _share(s["commas"], o["commas"])
+    out["capitalised_share"] = _share(s["capitalised"], s["sentences"])
+    out["errors_long"] = sum(r["errors"] for r in long)
+    out["trailing_insertions"] = sum(r["trailing_insertions"] for r in rows)
+    out["trailing_insertions_offline"] = sum(r["trailing_insertions_offline"] for r in rows)
+    out["recordings_with_trailing"] = [
+        name for name, r in zip(_names(rows), rows, strict=True) if r["trailing_insertions"]
+    ]
+    return out
+
+
+def _names(rows: Sequence[dict[str, Any]]) -> list[str]:
+    return [r["name"] for r in rows]
+
+
+def _line(name: str, row: dict[str, Any]) -> str:
+    s, o = row["streamed"], row["offline"]
+    ref = row.get("reference")
+    ref_part = f"  ref {ref['sentence_ends']:3d} . {ref['commas']:3d} ," if ref else " " * 18
+    return (
+        f"{name[-40:]:40s} ends {s['sentence_ends']:3d}/{o['sentence_ends']:3d}"
+        f" ({row['ends_vs_offline']})  commas {s['commas']:3d}/{o['commas']:3d}"
+        f" ({row['commas_vs_offline']})  caps {s['capitalised']:3d}/{s['sentences']:3d}"
+        f"{ref_part}  errors {row['errors']:3d} (offline {row['errors_offline']:3d})"
+        f"  after last {row['trailing_insertions']}  final p95 {row['final_p95_s']}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", default=",".join(MODES), help="finals: utterance, words")
+    parser.add_argument("--set", action="append", default=[], help="streaming.FIELD=JSON")
+    parser.add_argument("--disable", default="", help="comma-separated rules to switch off")
+    parser.add_argument("--short", action="store_true", help="short clips too (trailing words)")
+    parser.add_argument("--only", default="", help="comma-separated substrings of names to run")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--offline-cache", type=Path, default=DEFAULT_OFFLINE)
+    parser.add_argument("--out", default="punctuation")
+    args = parser.parse_args(argv)
+    base, _, _ = _overrides(args.set)
+    modes = [m for m in args.modes.split(",") if m]
+    only = [s for s in args.only.split(",") if s]
+
+    engine = Engine.load(EngineConfig())
+    engine.warmup()
+    cache = DecodeCache(engine, args.cache)
+    offline_texts: dict[str, str] = (
+        json.loads(args.offline_cache.read_text()) if args.offline_cache.is_file() else {}
+    )
+    load_start = os.getloadavg()
+    started = time.perf_counter()
+    runs: dict[str, Any] = {}
+    for mode in modes:
+        disabled = tuple(r for r in args.disable.split(",") if r)
+        streaming = dataclasses.replace(
+            base, finals=mode, rules=dataclasses.replace(base.rules, disabled=disabled)
+        )
+        rows: list[dict[str, Any]] = []
+        for name, reference, long in recordings(args.short):
+            if only and not any(s in name for s in only):
+                continue
+            if name == NOPAUSE:
+                audio, reference = nopause_recording()
+            else:
+                audio = load_speech(name)
+            if name not in offline_texts:
+                offline_texts[name] = transcribe_audio(engine, audio).text
+                args.offline_cache.parent.mkdir(parents=True, exist_ok=True)
+                args.offline_cache.write_text(json.dumps(offline_texts, indent=1))
+            row = run_recording(
+                engine, cache, audio, reference, offline_texts[name], streaming, long=long
+            )
+            row["name"] = name
+            rows.append(row)
+            cache.save()
+            if long:
+                print(f"{mode:9s} {_line(name, row)}", flush=True)
+        summary = pooled(rows)
+        runs[mode] = {"pooled": summary, "recordings": rows}
+        s, o = summary["streamed"], summary["offline"]
+        print(
+            f"{mode:9s} pooled: ends {s['sentence_ends']}/{o['sentence_ends']}"
+            f" ({summary['ends_vs_offline']})  commas {s['commas']}/{o['commas']}"
+            f" ({summary['commas_vs_offline']})  caps {s['capitalised']}/{s['sentences']}"
+            f"  errors (long) {summary['errors_long']}"
+            f"  after last {summary['trailing_insertions']}"
+            f" (offline {summary['trailing_insertions_offline']})"
+            f" in {summary['recordings_with_trailing']}",
+            flush=True,
+        )
+    data = {
+        "settings": args.set,
+        "disabled": args.disable,
+        "runs": runs,
+        "streams": 1,
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+        "wall_s": round(time.perf_counter() - started, 1),
+        "decodes_new": cache.misses,
+        "decodes_cached": cache.hits,
+    }
+    print(f"wrote {write_results(args.out, data)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
