@@ -87,8 +87,16 @@ class Marks:
 
 
 def marks_of(text: str) -> Marks:
-    """Count ``text``'s sentence ends, commas and sentence-initial capitals."""
-    words = [w for w in text.split() if any(ch.isalnum() for ch in w)]
+    """Count ``text``'s sentence ends, commas and sentence-initial capitals. A mark that
+    stands alone (a final that opens with the comma of the word before: "concerned , differs")
+    counts with the word before it."""
+    words: list[str] = []
+    for token in text.split():
+        if any(ch.isalnum() for ch in token) or not words:
+            words.append(token)
+        else:
+            words[-1] += token
+    words = [w for w in words if any(ch.isalnum() for ch in w)]
     ends = commas = sentences = capitalised = 0
     starts_sentence = True
     for word in words:
@@ -101,6 +109,28 @@ def marks_of(text: str) -> Marks:
         ends += starts_sentence
         commas += word.count(",")
     return Marks(len(words), ends, commas, sentences, capitalised)
+
+
+def rescore(data: dict[str, Any]) -> dict[str, Any]:
+    """A results file's marks and shares counted again from the texts it keeps."""
+    for run in data["runs"].values():
+        for row in run["recordings"]:
+            if row["long"]:
+                row.update(marks_row(row["text"], row["offline_text"], row.get("reference_text")))
+        run["pooled"] = pooled(run["recordings"])
+    return data
+
+
+def marks_row(text: str, offline: str, reference: str | None) -> dict[str, Any]:
+    """A long recording's marks: streamed, offline, the reference's where it is punctuated."""
+    mine, theirs = marks_of(text), marks_of(offline)
+    row: dict[str, Any] = {"streamed": mine.as_dict(), "offline": theirs.as_dict()}
+    if reference and punctuated(reference):
+        row["reference"] = marks_of(reference).as_dict()
+    row["ends_vs_offline"] = _share(mine.sentence_ends, theirs.sentence_ends)
+    row["commas_vs_offline"] = _share(mine.commas, theirs.commas)
+    row["capitalised_share"] = _share(mine.capitalised, mine.sentences)
+    return row
 
 
 def _share(part: int, whole: int) -> float | None:
@@ -209,15 +239,9 @@ def run_recording(
         "text": text,
     }
     if long:
-        mine, theirs = marks_of(text), marks_of(offline)
-        row["streamed"] = mine.as_dict()
-        row["offline"] = theirs.as_dict()
+        row.update(marks_row(text, offline, reference))
         row["offline_text"] = offline
-        if punctuated(reference):
-            row["reference"] = marks_of(reference).as_dict()
-        row["ends_vs_offline"] = _share(mine.sentence_ends, theirs.sentence_ends)
-        row["commas_vs_offline"] = _share(mine.commas, theirs.commas)
-        row["capitalised_share"] = _share(mine.capitalised, mine.sentences)
+        row["reference_text"] = reference
     return row
 
 
@@ -257,6 +281,19 @@ def _line(name: str, row: dict[str, Any]) -> str:
     )
 
 
+def _pooled_line(summary: dict[str, Any]) -> str:
+    s, o = summary["streamed"], summary["offline"]
+    return (
+        f"pooled: ends {s['sentence_ends']}/{o['sentence_ends']}"
+        f" ({summary['ends_vs_offline']})  commas {s['commas']}/{o['commas']}"
+        f" ({summary['commas_vs_offline']})  caps {s['capitalised']}/{s['sentences']}"
+        f"  errors (long) {summary['errors_long']}"
+        f"  after last {summary['trailing_insertions']}"
+        f" (offline {summary['trailing_insertions_offline']})"
+        f" in {summary['recordings_with_trailing']}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default=",".join(MODES), help="finals: utterance, words")
@@ -274,7 +311,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--offline-cache", type=Path, default=DEFAULT_OFFLINE)
     parser.add_argument("--out", default="punctuation")
+    parser.add_argument("--rescore", type=Path, help="count the marks of a results file again")
     args = parser.parse_args(argv)
+    if args.rescore is not None:
+        data = rescore(json.loads(args.rescore.read_text()))
+        args.rescore.write_text(json.dumps(data, indent=1) + "\n")
+        for mode, run in data["runs"].items():
+            for row in run["recordings"]:
+                if row["long"]:
+                    print(f"{mode:9s} {_line(row['name'], row)}")
+            print(f"{mode:9s} {_pooled_line(run['pooled'])}")
+        return 0
     base, _, _ = _overrides(args.set)
     modes = [m for m in args.modes.split(",") if m]
     only = [s for s in args.only.split(",") if s]
@@ -337,18 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         write_results(args.out, data)
     for mode, mode_rows in rows.items():
-        summary = pooled(mode_rows)
-        s, o = summary["streamed"], summary["offline"]
-        print(
-            f"{mode:9s} pooled: ends {s['sentence_ends']}/{o['sentence_ends']}"
-            f" ({summary['ends_vs_offline']})  commas {s['commas']}/{o['commas']}"
-            f" ({summary['commas_vs_offline']})  caps {s['capitalised']}/{s['sentences']}"
-            f"  errors (long) {summary['errors_long']}"
-            f"  after last {summary['trailing_insertions']}"
-            f" (offline {summary['trailing_insertions_offline']})"
-            f" in {summary['recordings_with_trailing']}",
-            flush=True,
-        )
+        print(f"{mode:9s} {_pooled_line(pooled(mode_rows))}", flush=True)
     print(f"wrote {RESULTS / args.out}.json")
     return 0
 
