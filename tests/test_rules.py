@@ -32,6 +32,7 @@ def test_a_disabled_rule_is_off_and_the_others_on() -> None:
         ("rules.unheard_tail.min_tail_s", -0.5),
         ("rules.skipped_speech.heard_more_words", 1),
         ("rules.cut_repeat.max_words", -1),
+        ("rules.bare_prompt.min_words", 0),
     ],
 )
 def test_a_rules_knob_is_checked(path: str, value: object) -> None:

@@ -7,7 +7,7 @@ import logging
 from server.config import StreamingConfig
 from server.core.cuts import Cut
 from server.core.emitter import Clock
-from server.core.rules import RuleCounts, RulesConfig
+from server.core.rules import BarePromptConfig, RuleCounts, RulesConfig
 from server.core.transcript import Transcript
 from server.protocol.messages import FinalMessage, PartialMessage
 from tests.core_doubles import SR, commit, spoken, utterance
@@ -87,6 +87,37 @@ def test_after_a_decode_that_looped_the_next_window_gets_no_prompt() -> None:
     kept.release_to_prompt(other)
     kept.decoded(looped=True)
     assert kept.prompt == (100,)
+
+
+def _released(text: Transcript, words: list[str]) -> None:
+    """``words`` made final in an utterance of their own and released to the prompt."""
+    utt = utterance(heard_to_s=float(len(words)))
+    commit(utt, spoken(*((word, k * 0.5, k * 0.5 + 0.4) for k, word in enumerate(words))))
+    text.release_to_prompt(utt)
+
+
+def test_a_prompt_whose_last_words_lost_their_punctuation_is_not_passed_on() -> None:
+    text = transcript(bare_prompt=BarePromptConfig(min_words=4))
+    _released(text, ["Printing,", "in", "the", "only", "sense."])
+    assert len(text.prompt) == 5  # a mark within its last four words
+    _released(text, ["with", "which", "we", "are"])
+    assert text.prompt == ()  # four words since the full stop: a bare run
+    assert text.counts["bare_prompt_drop"] == 1
+    _released(text, ["concerned,", "differs"])
+    assert len(text.prompt) == 11  # punctuated again: the whole prompt goes back
+    _released(text, ["from", "most", "if", "not"])
+    assert text.prompt == () and text.counts["bare_prompt_drop"] == 2
+
+
+def test_a_mark_inside_closing_quotes_or_a_short_prompt_keeps_the_prompt() -> None:
+    text = transcript(bare_prompt=BarePromptConfig(min_words=3))
+    _released(text, ["no", "marks"])
+    assert len(text.prompt) == 2  # shorter than min_words: too little to judge its style
+    _released(text, ['die."', "so", "it"])
+    assert len(text.prompt) == 5
+    kept = transcript(disabled=("bare_prompt_drop",), bare_prompt=BarePromptConfig(min_words=3))
+    _released(kept, ["with", "which", "we", "are"])
+    assert len(kept.prompt) == 4 and "bare_prompt_drop" not in kept.counts
 
 
 def test_retiring_an_utterance_accounts_for_its_audio_and_clears_its_partial() -> None:

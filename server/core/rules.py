@@ -30,6 +30,7 @@ RULES: Mapping[str, str] = {
     "after_committed": "words aligned before the last final word are moved after it",
     "skipped_speech": "decode again without the carried words when speech was skipped",
     "loop_prompt_drop": "no prompt for the window after a decode that looped",
+    "bare_prompt_drop": "no prompt while its last words hold no punctuation mark",
     # where windows are cut
     "sentence_cut": "cut after a final word that ends a sentence (or a clause, long windows)",
     "cut_inside_commit": "per utterance: cut after the last sentence end of a commit",
@@ -77,6 +78,13 @@ class StalledTailConfig:
 
 
 @dataclass(frozen=True)
+class BarePromptConfig:
+    # The prompt's last this many words without a sentence or clause mark mean the text lost
+    # its punctuation: Whisper copies the style of its prompt, so that text is not passed on.
+    min_words: int = 24
+
+
+@dataclass(frozen=True)
 class RulesConfig:
     """The rules' own knobs, and which are off (names from ``RULES``)."""
 
@@ -86,6 +94,7 @@ class RulesConfig:
     skipped_speech: SkippedSpeechConfig = field(default_factory=SkippedSpeechConfig)
     unheard_tail: UnheardTailConfig = field(default_factory=UnheardTailConfig)
     stalled_tail: StalledTailConfig = field(default_factory=StalledTailConfig)
+    bare_prompt: BarePromptConfig = field(default_factory=BarePromptConfig)
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.disabled if name not in RULES]
@@ -106,6 +115,10 @@ class RulesConfig:
         for name, value in checks:
             if value < 0:
                 raise ValueError(f"rules.{name} must be >= 0; got {value}")
+        if self.bare_prompt.min_words < 1:
+            raise ValueError(
+                f"rules.bare_prompt.min_words must be >= 1; got {self.bare_prompt.min_words}"
+            )
         if self.cut_repeat.max_words < 0 or self.skipped_speech.heard_more_words < 2:
             raise ValueError(
                 "rules.cut_repeat.max_words must be >= 0 and "

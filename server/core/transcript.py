@@ -16,14 +16,18 @@ from __future__ import annotations
 import logging
 
 from server.config import StreamingConfig
-from server.core.agreement import Word
-from server.core.cuts import Cut
+from server.core.agreement import Word, normalize_word
+from server.core.cuts import CLAUSE_END, SENTENCE_END, Cut
 from server.core.emitter import Clock, Emitter
 from server.core.rules import RuleCounts
 from server.core.utterance import Utterance
 from server.protocol.formats import SAMPLE_RATE_HZ
 
 Language = tuple[str | None, float | None]  # a message's language and its probability
+# What ends a sentence or a clause (rule ``bare_prompt_drop``); closing quotes and brackets
+# after a mark still close it.
+_MARKS = (*SENTENCE_END, *CLAUSE_END, "、")
+MARKS = _MARKS + tuple(f"{m}{q}" for m in _MARKS for q in "\"')”’")
 
 
 class Transcript:
@@ -41,14 +45,29 @@ class Transcript:
         self.emit = Emitter()
         self._prompt: list[int] = []
         self._prompt_ok = True  # False after a decode that looped (rule loop_prompt_drop)
+        # The prompt's last words, as text: whether they still carry punctuation (rule
+        # ``bare_prompt_drop``).
+        self._prompt_words: list[str] = []
 
     # -- the prompt ------------------------------------------------------------------------
     @property
     def prompt(self) -> tuple[int, ...]:
         """The final text the next window is decoded after, as context."""
-        if not self._prompt_ok:
+        if not self._prompt_ok or self._bare():
             return ()
         return tuple(self._prompt[-self.streaming.prompt_max_tokens :])
+
+    def _bare(self) -> bool:
+        """Rule ``bare_prompt_drop``: the prompt's last ``min_words`` words hold no sentence or
+        clause mark. Whisper copies the style of the text it is prompted with: a window
+        decoded after an unpunctuated run comes back unpunctuated, and the run goes on from
+        window to window (a long utterance's captions lost every full stop after its first
+        cut at the window cap). Without that prompt the decoder punctuates as on fresh audio."""
+        rules = self.streaming.rules
+        n = rules.bare_prompt.min_words
+        if not rules.on("bare_prompt_drop") or len(self._prompt_words) < n:
+            return False
+        return not any(w.rstrip().endswith(MARKS) for w in self._prompt_words[-n:])
 
     def decoded(self, *, looped: bool) -> None:
         """A decode came back. Rule ``loop_prompt_drop``: after one that looped (a repeated
@@ -63,12 +82,22 @@ class Transcript:
     def forget_prompt(self) -> None:
         """Earlier text in another language would pull the decoder towards it."""
         self._prompt = []
+        self._prompt_words = []
 
     def release_to_prompt(self, utt: Utterance) -> None:
         """The window's final tokens become context for the windows after it (those a cut
         carried into this window are there already)."""
         self._prompt.extend(utt.committed_tokens[utt.prompted_tokens :])
         self._prompt = self._prompt[-self.streaming.prompt_max_tokens * 2 :]
+        was_bare = self._bare()
+        seen = 0
+        for word in utt.committed:
+            if seen >= utt.prompted_tokens and normalize_word(word.text):
+                self._prompt_words.append(word.text)
+            seen += len(word.tokens)
+        self._prompt_words = self._prompt_words[-self.streaming.prompt_max_tokens :]
+        if self._bare() and not was_bare:
+            self.counts.fired("bare_prompt_drop")
         utt.prompted_tokens = len(utt.committed_tokens)
 
     # -- finals and partials ---------------------------------------------------------------
