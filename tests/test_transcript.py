@@ -102,11 +102,25 @@ def test_a_prompt_whose_last_words_lost_their_punctuation_is_not_passed_on() -> 
     assert len(text.prompt) == 5  # a mark within its last four words
     _released(text, ["with", "which", "we", "are"])
     assert text.prompt == ()  # four words since the full stop: a bare run
-    assert text.counts["bare_prompt_drop"] == 1
-    _released(text, ["concerned,", "differs"])
-    assert len(text.prompt) == 11  # punctuated again: the whole prompt goes back
+    assert text.prompt == () and text.counts["bare_prompt_drop"] == 1  # counted once a run
+    _released(text, ["concerned", ",", "differs"])  # a mark decoded as a word of its own
+    assert len(text.prompt) == 12  # punctuated again: the whole prompt goes back
     _released(text, ["from", "most", "if", "not"])
     assert text.prompt == () and text.counts["bare_prompt_drop"] == 2
+
+
+def test_the_windows_final_words_read_after_the_prompt_count_too() -> None:
+    text = transcript(bare_prompt=BarePromptConfig(min_words=4))
+    _released(text, ["with", "which", "we", "are"])
+    assert text.prompt == ()
+    utt = utterance(heard_to_s=3.0)
+    # Final in the open window, so forced as the next decode's prefix: a full stop there.
+    words = spoken(("present", 0.1, 0.5), ("concerned.", 0.6, 1.0))
+    text.commit(utt, words, why="agreement", clock=CLOCK, language=(None, None), labelled=False)
+    assert len(text.prompt) == 4
+    more = spoken(("differs", 1.1, 1.5), ("from", 1.6, 1.8), ("most", 1.9, 2.1), ("if", 2.2, 2.4))
+    text.commit(utt, more, why="agreement", clock=CLOCK, language=(None, None), labelled=False)
+    assert text.prompt == ()
 
 
 def test_a_mark_inside_closing_quotes_or_a_short_prompt_keeps_the_prompt() -> None:
@@ -118,6 +132,9 @@ def test_a_mark_inside_closing_quotes_or_a_short_prompt_keeps_the_prompt() -> No
     kept = transcript(disabled=("bare_prompt_drop",), bare_prompt=BarePromptConfig(min_words=3))
     _released(kept, ["with", "which", "we", "are"])
     assert len(kept.prompt) == 4 and "bare_prompt_drop" not in kept.counts
+    unread = transcript(bare_prompt=BarePromptConfig(min_words=3))
+    _released(unread, ["with", "which", "we", "are"])
+    assert "bare_prompt_drop" not in unread.counts  # no decode went without it yet
 
 
 def test_retiring_an_utterance_accounts_for_its_audio_and_clears_its_partial() -> None:

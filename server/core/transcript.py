@@ -48,26 +48,60 @@ class Transcript:
         # The prompt's last words, as text: whether they still carry punctuation (rule
         # ``bare_prompt_drop``).
         self._prompt_words: list[str] = []
+        self._bare_counted = False
+        # The window whose final words are the decodes' forced prefix: read after the prompt,
+        # they count towards its style.
+        self._window: Utterance | None = None
 
     # -- the prompt ------------------------------------------------------------------------
     @property
     def prompt(self) -> tuple[int, ...]:
         """The final text the next window is decoded after, as context."""
-        if not self._prompt_ok or self._bare():
+        if not self._prompt_ok:
             return ()
+        if self._bare():
+            # Counted once per bare run, when a decode is first made without it.
+            if not self._bare_counted:
+                self._bare_counted = True
+                self.counts.fired("bare_prompt_drop")
+            return ()
+        self._bare_counted = False
         return tuple(self._prompt[-self.streaming.prompt_max_tokens :])
 
     def _bare(self) -> bool:
-        """Rule ``bare_prompt_drop``: the prompt's last ``min_words`` words hold no sentence or
-        clause mark. Whisper copies the style of the text it is prompted with: a window
+        """Rule ``bare_prompt_drop``: the last ``min_words`` words the decoder reads before
+        its own (the prompt, then the window's final words forced as its prefix) hold no
+        sentence or clause mark. Whisper copies the style of the text it is given: a window
         decoded after an unpunctuated run comes back unpunctuated, and the run goes on from
         window to window (a long utterance's captions lost every full stop after its first
         cut at the window cap). Without that prompt the decoder punctuates as on fresh audio."""
         rules = self.streaming.rules
         n = rules.bare_prompt.min_words
-        if not rules.on("bare_prompt_drop") or len(self._prompt_words) < n:
+        if not rules.on("bare_prompt_drop"):
             return False
-        return not any(w.rstrip().endswith(MARKS) for w in self._prompt_words[-n:])
+        words = self._prompt_words
+        if self._window is not None:
+            words = words + self._unreleased(self._window)
+        spoken = 0
+        for word in reversed(words):
+            if word.rstrip().endswith(MARKS):
+                return False
+            spoken += bool(normalize_word(word))
+            if spoken == n:
+                return True
+        return False  # too little text to judge its style
+
+    @staticmethod
+    def _unreleased(utt: Utterance) -> list[str]:
+        """The text of ``utt``'s final words not in the prompt yet (a mark Whisper gave a word
+        of its own too: ", the")."""
+        out: list[str] = []
+        seen = 0
+        for word in utt.committed:
+            if seen >= utt.prompted_tokens:
+                out.append(word.text)
+            seen += len(word.tokens)
+        return out
 
     def decoded(self, *, looped: bool) -> None:
         """A decode came back. Rule ``loop_prompt_drop``: after one that looped (a repeated
@@ -89,15 +123,8 @@ class Transcript:
         carried into this window are there already)."""
         self._prompt.extend(utt.committed_tokens[utt.prompted_tokens :])
         self._prompt = self._prompt[-self.streaming.prompt_max_tokens * 2 :]
-        was_bare = self._bare()
-        seen = 0
-        for word in utt.committed:
-            if seen >= utt.prompted_tokens and normalize_word(word.text):
-                self._prompt_words.append(word.text)
-            seen += len(word.tokens)
-        self._prompt_words = self._prompt_words[-self.streaming.prompt_max_tokens :]
-        if self._bare() and not was_bare:
-            self.counts.fired("bare_prompt_drop")
+        self._prompt_words.extend(self._unreleased(utt))
+        self._prompt_words = self._prompt_words[-self.streaming.prompt_max_tokens * 2 :]
         utt.prompted_tokens = len(utt.committed_tokens)
 
     # -- finals and partials ---------------------------------------------------------------
@@ -118,6 +145,7 @@ class Transcript:
         if words:
             self.counts.fired(f"final:{why}")
         utt.add_committed(words)
+        self._window = utt
         words = utt.unsent + words
         if hold:
             utt.unsent = words
