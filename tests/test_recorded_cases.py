@@ -28,6 +28,10 @@ CASES = {
     "words-after-final": "after_committed",
     # Decodes that looped: the windows after them were decoded without the prompt.
     "looped-decode": "loop_prompt_drop",
+    # LJ Speech read on without a pause, word finals: after a window cut at its cap the
+    # captions ran on without a mark for 24 words; the windows after that were decoded without
+    # that prompt, and the finals got their commas and full stops back.
+    "bare-prompt": "bare_prompt_drop",
 }
 
 
