@@ -26,7 +26,9 @@ from server.engine.engine import Engine, EngineConfig
 from server.engine.model import ModelDimensions
 
 # Each case builds a checkpoint of up to 110 M parameters and decodes with it.
-pytestmark = pytest.mark.heavy
+# Heavy; and one worker builds each checkpoint once (module-scoped fixtures: xdist would build
+# them again on every worker that gets one of their tests).
+pytestmark = [pytest.mark.heavy, pytest.mark.xdist_group("model_shapes")]
 
 # Cut depths: turbo keeps its shape's point (a deeper encoder than decoder), large-v3 the
 # other way round, so both orders of depth run.

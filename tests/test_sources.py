@@ -119,7 +119,7 @@ def test_stdin_source_refuses_a_bad_format() -> None:
     with pytest.raises(ValueError, match="sample_rate must be between"):
         StdinSource(4000, "pcm_s16le", stream=io.BytesIO())
     with pytest.raises(ValueError, match="encoding must be one of"):
-        StdinSource(16000, "mulaw", stream=io.BytesIO())
+        StdinSource(16000, "opus", stream=io.BytesIO())
 
 
 def test_microphone_without_sounddevice_says_how_to_install(

@@ -78,7 +78,7 @@ def test_settled_has_no_v1_message() -> None:
 
 
 def test_every_api_is_one_registry_entry() -> None:
-    assert set(STREAM_APIS) == {"/v1/stream", "/v1/realtime", "/v1/listen"}
+    assert set(STREAM_APIS) == {"/v1/stream", "/v1/realtime", "/v1/listen", "/v2/listen"}
     for path, api in STREAM_APIS.items():
         assert api.path == path and api.auth_schemes
         assert callable(api.adapter().render)

@@ -175,7 +175,8 @@ class FluxAdapter:
             message = json.loads(frame)
         except (json.JSONDecodeError, RecursionError):
             raise ProtocolError(
-                "text messages must be JSON: Configure, ForceEndTurn, KeepAlive or CloseStream"
+                "text messages must be JSON: Configure, ForceEndTurn, KeepAlive or CloseStream",
+                close_code=1008,
             ) from None
         kind = message.get("type") if isinstance(message, dict) else None
         if kind == "KeepAlive":
@@ -190,7 +191,8 @@ class FluxAdapter:
             name = kind[:40] if isinstance(kind, str) else kind
             raise ProtocolError(
                 f"unsupported message type {name!r}: send Configure, ForceEndTurn, KeepAlive "
-                "or CloseStream"
+                "or CloseStream",
+                close_code=1008,
             )
 
     def _configure(self, message: dict[str, Any], driver: StreamDriver) -> None:
