@@ -48,15 +48,14 @@ from server.apis.wyoming import (
     info_event,
     language_code,
 )
-from server.config import ServerConfig, StreamingConfig, VadConfig, WyomingConfig
+from server.config import WyomingConfig
 from server.core.session import Session
-from server.decode.pipeline import Pipeline
 from server.decode.stream_driver import DriverOutcome, StreamDriver
-from server.metrics import Metrics
 from server.protocol.errors import ProtocolError, StreamError
 from server.protocol.formats import AudioFormat
 from server.protocol.messages import ErrorMessage
 from server.serve.connection import SHUTDOWN, Stop
+from server.serve.rest import RestServer
 from server.serve.routes import Full
 
 logger = logging.getLogger("server.serve.wyoming")
@@ -65,26 +64,9 @@ READ_BYTES = 64 * 1024
 SERVICE_TYPE = "_wyoming._tcp.local."
 
 
-class WyomingHost(Protocol):
-    """What a Wyoming connection uses of the server (``WhisperwireServer`` is the real one)."""
-
-    @property
-    def config(self) -> ServerConfig: ...
-
-    @property
-    def metrics(self) -> Metrics: ...
-
-    @property
-    def pipeline(self) -> Pipeline: ...
-
-    @property
-    def streaming(self) -> StreamingConfig: ...
-
-    @property
-    def vad(self) -> VadConfig: ...
-
-    @property
-    def ready(self) -> bool: ...
+class WyomingHost(RestServer, Protocol):
+    """What a Wyoming connection uses of the server (``WhisperwireServer`` is the real one):
+    what the file APIs read, and the stream admission and counting."""
 
     @property
     def draining(self) -> bool: ...
