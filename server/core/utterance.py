@@ -95,10 +95,6 @@ class Utterance:
         return self.window_start, len(self.committed_tokens)
 
     @property
-    def closed(self) -> bool:
-        return self.end is not None
-
-    @property
     def only_carried(self) -> bool:
         """Nothing was committed in this window beyond the words a cut carried into it."""
         return len(self.committed_tokens) <= self.prompted_tokens
