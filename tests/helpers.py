@@ -345,14 +345,18 @@ async def scripted_server(
     *,
     pipeline: PipelineConfig | None = None,
     streaming: StreamingConfig | None = None,
+    turn_model: bool = True,
     **overrides: Any,
 ) -> AsyncIterator[WhisperwireServer]:
-    """A server on a free port with the scripted test-double engine (or ``engine``)."""
+    """A server on a free port with the scripted test-double engine (or ``engine``), and the
+    real turn model where it is installed (``turn_model`` False: a server without one)."""
     config = ServerConfig(host="127.0.0.1", port=0, **overrides)
     chosen = engine or ScriptedEngine()
     async with WhisperwireServer(
         lambda: chosen, server=config, pipeline=pipeline, streaming=streaming
     ) as server:
+        if not turn_model:
+            server.pipeline.turn_model = None
         yield server
 
 

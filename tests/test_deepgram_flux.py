@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +23,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from bench.corpus import ManifestRow, load_clip, wer
 from server.apis.deepgram_flux import FLUX_PATH, parse_options
-from server.config import ServerConfig
 from server.protocol.formats import SAMPLE_RATE_HZ
-from server.serve.app import WhisperwireServer
-from tests.helpers import ScriptedEngine, pcm_frames
+from tests.helpers import pcm_frames, scripted_server
 from tests.test_deepgram_live import environment, reference
 
 WAIT_S = 120.0  # a bound for waits on the real model on a busy 2-core machine
@@ -157,16 +154,6 @@ async def test_force_end_turn_ends_the_turn_at_once_and_configure_is_answered(
 # --------------------------------------------------------------------------- the edges
 
 
-@contextlib.asynccontextmanager
-async def scripted_server(*, turn_model: bool = True) -> AsyncIterator[WhisperwireServer]:
-    engine = ScriptedEngine()
-    config = ServerConfig(host="127.0.0.1", port=0)
-    async with WhisperwireServer(lambda: engine, server=config) as server:
-        if not turn_model:
-            server.pipeline.turn_model = None
-        yield server
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     "query, problem",
@@ -176,6 +163,7 @@ async def scripted_server(*, turn_model: bool = True) -> AsyncIterator[Whisperwi
         ("eot_threshold=0.2", "eot_threshold must be 0.5 to 0.9"),
         ("eager_eot_threshold=0.8&eot_threshold=0.6", "must be at most eot_threshold"),
         ("eot_timeout_ms=soon", "eot_timeout_ms must be a number"),
+        ("eot_timeout_ms=inf", "eot_timeout_ms must be a number"),
         ("diarize=true", "unsupported option(s): diarize"),
     ],
 )

@@ -31,6 +31,7 @@ from websockets.http11 import Request
 
 from server.apis.adapters import SessionSettings, StreamApi
 from server.apis.deepgram_live import ListenQuery
+from server.apis.turn_options import TURN_OPTIONS, query_numbers, turn_config
 from server.config import StreamingConfig
 from server.core.session import Session, TurnConfig
 from server.core.turns import TurnEvent
@@ -80,30 +81,8 @@ def parse_options(path: str) -> FluxOptions:
         raise ValueError(f"sample_rate must be in Hz; got {rate[:20]!r}")
     if not MIN_SAMPLE_RATE_HZ <= int(rate) <= MAX_SAMPLE_RATE_HZ:
         raise ValueError(f"sample_rate must be {MIN_SAMPLE_RATE_HZ} to {MAX_SAMPLE_RATE_HZ} Hz")
-    defaults = TurnConfig()
-    turns = TurnConfig(
-        eot_threshold=_number(one("eot_threshold"), "eot_threshold", defaults.eot_threshold),
-        eager_eot_threshold=None
-        if (eager := one("eager_eot_threshold")) is None
-        else _given(eager, "eager_eot_threshold"),
-        eot_timeout_ms=round(
-            _number(one("eot_timeout_ms"), "eot_timeout_ms", defaults.eot_timeout_ms)
-        ),
-    )
+    turns = turn_config(query_numbers(one))
     return FluxOptions(int(rate), turns, tuple(k for k in query.every("keyterm") if k))
-
-
-def _number(raw: str | None, name: str, default: float) -> float:
-    if raw is None:
-        return default
-    return _given(raw, name)
-
-
-def _given(raw: str, name: str) -> float:
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number; got {raw[:20]!r}") from None
 
 
 def handshake_problem(request: Request, streaming: StreamingConfig | None = None) -> str | None:
@@ -202,22 +181,10 @@ class FluxAdapter:
         try:
             if not isinstance(thresholds, dict):
                 raise ValueError("thresholds must be an object")
-            given = {
-                k: v
-                for k, v in thresholds.items()
-                if k in ("eot_threshold", "eager_eot_threshold", "eot_timeout_ms")
-            }
+            given = {k: v for k, v in thresholds.items() if k in TURN_OPTIONS}
             if any(not isinstance(v, int | float) or isinstance(v, bool) for v in given.values()):
                 raise ValueError("thresholds must be numbers")
-            config = TurnConfig(
-                eot_threshold=float(given.get("eot_threshold", current.eot_threshold)),
-                eager_eot_threshold=(
-                    float(given["eager_eot_threshold"])
-                    if "eager_eot_threshold" in given
-                    else current.eager_eot_threshold
-                ),
-                eot_timeout_ms=round(given.get("eot_timeout_ms", current.eot_timeout_ms)),
-            )
+            config = turn_config(given, current)
         except (ValueError, TypeError) as exc:
             failure = {
                 "type": "ConfigureFailure",
