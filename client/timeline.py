@@ -16,6 +16,7 @@ from server.protocol.messages import (
     ServerMessage,
     SpeechEndedMessage,
     SpeechStartedMessage,
+    TurnMessage,
     WordInfo,
 )
 
@@ -52,6 +53,14 @@ def shift_message(message: ServerMessage, offset_s: float, segments_before: int)
         return replace(
             message, segments=message.segments + segments_before, audio_received_s=received_s
         )
+    if isinstance(message, TurnMessage):
+        return replace(
+            message,
+            start=message.start + offset_s,
+            end=message.end + offset_s,
+            words=_shift_words(message.words, offset_s),
+            audio_received_s=received_s,
+        )
     return replace(message, audio_received_s=received_s)  # ready, error
 
 
@@ -62,11 +71,13 @@ def shift_final(final: FinalMessage, offset_s: float, segments_before: int) -> F
         segment_id=final.segment_id + segments_before,
         start=final.start + offset_s,
         end=final.end + offset_s,
-        words=tuple(
-            replace(w, start=w.start + offset_s, end=w.end + offset_s) for w in final.words
-        ),
+        words=_shift_words(final.words, offset_s),
         audio_received_s=final.audio_received_s + offset_s,
     )
+
+
+def _shift_words(words: tuple[WordInfo, ...], offset_s: float) -> tuple[WordInfo, ...]:
+    return tuple(replace(w, start=w.start + offset_s, end=w.end + offset_s) for w in words)
 
 
 def _comparable(word: str) -> str:

@@ -24,6 +24,7 @@ from server.protocol.messages import (
     ServerMessage,
     SpeechEndedMessage,
     SpeechStartedMessage,
+    TurnMessage,
     WordInfo,
     parse_client_message,
     parse_server_message,
@@ -58,6 +59,18 @@ SERVER_MESSAGES: list[ServerMessage] = [
     PartialMessage(4, " und", 7.1, 7.6, 7.9, 0.3, "de", None, language_provisional=True),
     PartialMessage(4, " und so", 7.1, 7.9, 8.2, 0.3, "de", 0.934),
     FinalMessage(5, " Der Raum", 7.1, 8.0, (), 8.5, 0.2, "de", 0.998),
+    TurnMessage("start", 0, 0.51, 0.51, "", (), 0.0, 0.6),
+    TurnMessage(
+        "end",
+        2,
+        0.51,
+        1.7,
+        "Hello world.",
+        (WordInfo("Hello", 0.51, 0.9, 0.98),),
+        0.87,
+        2.5,
+        "model",
+    ),
 ]
 
 
@@ -193,6 +206,8 @@ def test_server_parser_errors(text: str, match: str) -> None:
         ConfigMessage(16000, "pcm_s16le", "en", "transcribe"),
         ConfigMessage(sample_rate_hz=44100, encoding="pcm_f32le"),
         ConfigMessage(language=AUTO_LANGUAGE, task="translate"),
+        ConfigMessage(turns=True, eot_threshold=0.8, eager_eot_threshold=0.5, eot_timeout_ms=3000),
+        ConfigMessage(turns=False),
         FlushMessage(),
         EndMessage(),
     ],
@@ -258,6 +273,9 @@ def test_whitespace_and_key_order_do_not_matter() -> None:
         ('{"type":"config","language":"EN"}', "language code such as 'en'"),
         ('{"type":"config","language":""}', "language code such as 'en'"),
         ('{"type":"config","language":5}', "'language' must be a string or null, got a number"),
+        ('{"type":"config","turns":"yes"}', "'turns' must be true or false, got a string"),
+        ('{"type":"config","eot_threshold":"high"}', "'eot_threshold' must be a number"),
+        ('{"type":"config","eot_timeout_ms":1500.5}', "'eot_timeout_ms' must be an integer"),
     ],
 )  # fmt: skip
 def test_client_parser_errors(text: str, match: str) -> None:

@@ -4,7 +4,13 @@ words heard again at a seam dropped once."""
 from __future__ import annotations
 
 from client.timeline import drop_seam_repeat, shift_message
-from server.protocol.messages import DoneMessage, FinalMessage, PartialMessage, WordInfo
+from server.protocol.messages import (
+    DoneMessage,
+    FinalMessage,
+    PartialMessage,
+    TurnMessage,
+    WordInfo,
+)
 
 
 def words(text: str, start_s: float) -> tuple[WordInfo, ...]:
@@ -55,6 +61,10 @@ def test_messages_of_a_later_session_are_moved_onto_the_sources_timeline() -> No
     assert partial == PartialMessage(4, " a", 10.5, 10.7, 11.0)
     done = shift_message(DoneMessage(2, 5.0, 4.0, 6.0, 1.0, 4.0, 0.0), 10.0, 3)
     assert done == DoneMessage(5, 15.0, 4.0, 6.0, 1.0, 4.0, 0.0)
+    turn = TurnMessage("end", 0, 1.0, 1.5, " hi", final.words, 0.8, 2.5, "model")
+    assert shift_message(turn, 10.0, 3) == TurnMessage(
+        "end", 0, 11.0, 11.5, " hi", moved.words, 0.8, 12.5, "model"
+    )
     assert shift_message(final, 0.0, 0) == final
 
 

@@ -3,29 +3,48 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from websockets.asyncio.client import connect
 from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request
 
 from bench.corpus import ManifestRow, load_clip, wer
 from bench.phone_line import PHONE_RATE_HZ, phone_line
 from server.apis.adapters import SessionSettings
 from server.apis.registry import STREAM_APIS
-from server.apis.v1_stream import STREAM_PATH, V1Adapter, apply_text, settings_from_config
+from server.apis.v1_stream import (
+    STREAM_PATH,
+    V1Adapter,
+    apply_text,
+    settings_from_config,
+    turn_message,
+)
 from server.config import StreamingConfig, VadConfig
 from server.core.session import Session, Settled, StreamSettings
+from server.core.turns import TurnConfig, TurnEvent, TurnKind
 from server.protocol.errors import ProtocolError
 from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
-from server.protocol.messages import ConfigMessage, FinalMessage
-from tests.helpers import stream_frames
+from server.protocol.messages import (
+    ConfigMessage,
+    FinalMessage,
+    TurnMessage,
+    WordInfo,
+    parse_server_message,
+)
+from tests.helpers import pcm_frames, scripted_server, stream_frames
 
 
-def _settings(multilingual: bool = False) -> SessionSettings:
-    return SessionSettings("v1", StreamingConfig(language=None), VadConfig(), multilingual, "m")
+def _settings(multilingual: bool = False, *, turn_model: bool = False) -> SessionSettings:
+    return SessionSettings(
+        "v1", StreamingConfig(language=None), VadConfig(), multilingual, "m", turn_model
+    )
 
 
 def test_config_sets_only_the_fields_it_gives() -> None:
@@ -115,6 +134,64 @@ def test_finals_are_the_streams_own_choice() -> None:
         V1Adapter().open_session(_settings(), Request(f"{STREAM_PATH}?finals=all", Headers()))
 
 
+def _queried(query: str, *, turn_model: bool = True) -> Session:
+    settings = _settings(turn_model=turn_model)
+    return V1Adapter().open_session(settings, Request(f"{STREAM_PATH}?{query}", Headers()))
+
+
+def test_turns_are_asked_for_in_the_query_or_config_with_fluxs_options() -> None:
+    queried = _queried("turns=true&eot_threshold=0.8&eot_timeout_ms=3000.0")
+    assert queried.settings.turns == TurnConfig(eot_threshold=0.8, eot_timeout_ms=3000)
+    assert _queried("turns=false").settings.turns is None
+    session = Session("configured")
+    apply_text('{"type": "config", "turns": true}', session)
+    assert session.settings.turns == TurnConfig()
+    apply_text('{"type": "config", "eager_eot_threshold": 0.4}', session)  # turns kept
+    apply_text('{"type": "config", "end_of_speech_ms": 300}', session)  # and by other fields
+    assert session.settings.turns == TurnConfig(eager_eot_threshold=0.4)
+    apply_text('{"type": "config", "turns": false}', session)
+    assert session.settings.turns is None
+
+
+@pytest.mark.parametrize(
+    ("query", "problem"),
+    [
+        ("turns=true&eot_threshold=2", "eot_threshold must be 0.5 to 0.9; got 2.0"),
+        ("turns=true&eot_timeout_ms=soon", "eot_timeout_ms must be a number"),
+        ("turns=true&eager_eot_threshold=0.8&eot_threshold=0.6", "at most eot_threshold"),
+        ("eot_threshold=0.8", "eot_threshold apply to turns: ask for them with turns=true"),
+        ("turns=yes", "'turns' must be true or false"),
+    ],
+)
+def test_turn_options_flux_would_refuse_are_refused_in_the_query(query: str, problem: str) -> None:
+    with pytest.raises(ProtocolError, match=problem) as refused:
+        _queried(query)
+    assert refused.value.close_code == 1008
+
+
+def test_turns_without_a_turn_model_are_refused_in_the_query_and_in_config() -> None:
+    with pytest.raises(ProtocolError, match="turn detection is not installed") as refused:
+        _queried("turns=true", turn_model=False)
+    assert refused.value.close_code == 1008
+    assert _queried("turns=false", turn_model=False).settings.turns is None
+    session = Session("no-model")
+    with pytest.raises(ProtocolError, match="turn detection is not installed"):
+        apply_text('{"type": "config", "turns": true}', session, turn_model=False)
+    assert session.settings.turns is None
+
+
+def test_turn_events_are_turn_messages_but_updates() -> None:
+    words = (WordInfo("Ask", 1.0, 1.3, 0.9), WordInfo("not.", 1.3, 1.8, 0.8))
+    end = TurnEvent(TurnKind.END, 2, 1.0, 1.8, "Ask not.", words, 0.93, 2.6, "model")
+    [rendered] = V1Adapter().render(end)
+    assert parse_server_message(rendered) == TurnMessage(
+        "end", 2, 1.0, 1.8, "Ask not.", words, 0.93, 2.6, "model"
+    )
+    assert json.loads(rendered)["type"] == "turn"
+    update = TurnEvent(TurnKind.UPDATE, 2, 1.0, 1.8, "Ask not.", words, 0.0, 2.0)
+    assert turn_message(update) is None and V1Adapter().render(update) == []
+
+
 # --------------------------------------------------------------------------- G.711, served
 
 WAIT_S = 120.0  # a bound for waits on the real model on a busy 2-core machine
@@ -163,3 +240,68 @@ async def test_an_unknown_encoding_gets_v1s_error_listing_the_ones_taken(server_
     assert error["code"] == "protocol_error"
     assert "pcm_s16le, pcm_f32le, mulaw, alaw; got 'ulaw'" in error["message"]
     assert outcome.messages[-1]["type"] == "done"
+
+
+# --------------------------------------------------------------------------- turns, served
+
+TURN_CLIP = "misc_en/jfk.wav"  # 11 s: "And so my fellow Americans, ask not ..."
+
+
+@pytest.mark.asyncio(loop_scope="session")  # the server_url fixture's loop
+async def test_a_stream_with_turns_gets_each_turns_end_after_its_finals(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    clip = load_clip(speech_dir / TURN_CLIP)
+    audio = np.concatenate([clip, np.zeros(2 * SAMPLE_RATE_HZ, np.float32)])
+    url = f"{server_url}{STREAM_PATH}?turns=true&eot_timeout_ms=2000"
+    outcome = await asyncio.wait_for(stream_frames(url, pcm_frames(audio)), WAIT_S)
+    assert not outcome.of_type("error"), outcome.of_type("error")
+    turns = outcome.of_type("turn")
+    assert turns and turns[0]["event"] == "start" and turns[-1]["event"] == "end", turns
+    assert outcome.messages[-1]["type"] == "done"
+    # Each turn's finals come between its start and its end, and make up the end's text.
+    open_turn: dict[str, Any] | None = None
+    finals: list[dict[str, Any]] = []
+    for message in outcome.messages:
+        if message["type"] == "final":
+            assert open_turn is not None, "a final outside any turn"
+            finals.append(message)
+        elif message["type"] == "turn" and message["event"] == "start":
+            assert open_turn is None, "a turn started inside another"
+            open_turn, finals = message, []
+        elif message["type"] == "turn" and message["event"] == "end":
+            assert open_turn is not None and message["turn_index"] == open_turn["turn_index"]
+            assert message["text"] == " ".join(f["text"] for f in finals if f["text"])
+            assert message["words"] == [w for f in finals for w in f["words"]]
+            assert message["trigger"] in ("model", "timeout", "manual")
+            assert message["start"] == open_turn["start"] <= message["end"]
+            open_turn = None
+    assert open_turn is None
+    ends = [t for t in turns if t["event"] == "end"]
+    assert [t["turn_index"] for t in ends] == list(range(len(ends)))
+    reference = next(row.transcript for row in manifest if row.file == TURN_CLIP)
+    assert wer(reference, " ".join(t["text"] for t in ends)) <= MAX_WER_CLIP, ends
+
+
+@pytest.mark.asyncio
+async def test_a_server_without_the_turn_model_refuses_turns_as_v1_refuses_bad_values() -> None:
+    async def refused(query: str) -> tuple[dict[str, Any], int | None]:
+        async with connect(f"{server.url}{STREAM_PATH}?{query}") as ws:
+            error = json.loads(await ws.recv())
+            with contextlib.suppress(ConnectionClosed):
+                await ws.recv()
+        return error, ws.close_code
+
+    async with scripted_server(turn_model=False) as server:
+        error, close_code = await refused("turns=true")
+        assert (error["type"], error["code"], error["fatal"]) == ("error", "protocol_error", True)
+        assert "turn detection is not installed" in error["message"]
+        assert close_code == 1008
+        url = f"{server.url}{STREAM_PATH}"
+        outcome = await stream_frames(url, ['{"type": "config", "turns": true}'])
+        [error] = outcome.of_type("error")  # a config error: the stream goes on without turns
+        assert not error["fatal"] and "turn detection is not installed" in error["message"]
+        assert outcome.messages[-1]["type"] == "done" and outcome.close_code == 1000
+    async with scripted_server() as server:
+        error, close_code = await refused("turns=true&eot_threshold=2")
+        assert "eot_threshold must be 0.5 to 0.9" in error["message"] and close_code == 1008

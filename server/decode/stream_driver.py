@@ -97,6 +97,10 @@ class StreamDriver:
             self.session.configure(settings)
         finally:
             self._advance()
+        if settings.turns is not None:
+            # Turns asked for after the stream opened (v1's config): the model loads now, not
+            # at the stream's first pause.
+            self.pipeline.prepare_turn_model()
 
     def force_end_turn(self) -> None:
         """``Session.force_end_turn``; raises ``ProtocolError``."""

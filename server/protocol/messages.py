@@ -2,8 +2,9 @@
 
 Client to server, as WebSocket text frames: ``config``, ``flush`` and ``end``
 (``parse_client_message``; binary frames are audio and are not parsed here). Server to client:
-``ready``, ``speech_started``, ``speech_ended``, ``partial``, ``final``, ``error`` and ``done``
-(each dataclass has ``to_json``; ``parse_server_message`` rebuilds them on the client side).
+``ready``, ``speech_started``, ``speech_ended``, ``partial``, ``final``, ``error`` and ``done``,
+and ``turn`` to a client that asked for conversational turns (each dataclass has ``to_json``;
+``parse_server_message`` rebuilds them on the client side).
 
 Every server message carries ``audio_received_s``: seconds of audio the server has received so
 far, in stream time. ``partial`` and ``final`` also carry ``lag_s`` (how far the text is behind
@@ -42,6 +43,9 @@ AUTO_LANGUAGE = "auto"  # ConfigMessage.language when the client asks for langua
 _LANGUAGE_RE = re.compile(r"[a-z]{2,3}")
 _MAX_INT_DIGITS = 20  # more than any count or rate could need
 _MS_DIGITS = 3  # server floats are rounded to milliseconds on the wire
+# A ``turn`` message's events, in the order a turn may send them: "eager_end" and "resumed"
+# only for a stream with ``eager_eot_threshold``.
+TURN_EVENTS = ("start", "eager_end", "resumed", "end")
 
 
 # --------------------------------------------------------------------------- client -> server
@@ -62,10 +66,23 @@ class ConfigMessage:
     end_of_speech_ms: int | None = None  # the silence that ends an utterance, for this stream
     speakers: bool | None = None  # speaker labels on finals and words (servers with --speakers)
     finals: str | None = None  # "words" or "utterance": when words become final (FINALS)
+    # Conversational turns (``turn`` messages) on or off, and when a pause ends a turn: the
+    # turn model's probability (0.5-0.9; the eager one 0.3-0.9) or the silence (500-10000 ms).
+    # The ranges are checked where the stream's settings are made.
+    turns: bool | None = None
+    eot_threshold: float | None = None
+    eager_eot_threshold: float | None = None
+    eot_timeout_ms: int | None = None
 
     def to_json(self) -> str:
         """Compact JSON with only the fields that were given."""
         obj: dict[str, object] = {"type": "config"}
+        if self.turns is not None:
+            obj["turns"] = self.turns
+        for name in ("eot_threshold", "eager_eot_threshold", "eot_timeout_ms"):
+            value = getattr(self, name)
+            if value is not None:
+                obj[name] = value
         if self.finals is not None:
             obj["finals"] = self.finals
         if self.speakers is not None:
@@ -303,6 +320,42 @@ class FinalMessage:
 
 
 @dataclass(frozen=True)
+class TurnMessage:
+    """A conversational turn's event (a stream with ``turns``): it started, its end is likely
+    (``eager_end``), the speaker went on after that (``resumed``), or it ended. An ``end``
+    comes after the turn's last ``final``; its text is the turn's finals, joined by spaces."""
+
+    event: str  # one of TURN_EVENTS
+    turn_index: int  # 0, 1, ... in the stream
+    start: float  # the turn's first speech
+    end: float  # the end of its last word so far (``start`` while it has none)
+    # The turn's words so far: on ``end`` its finals; before, also the open segment's partial,
+    # whose words carry the partial's span and probability 0.
+    text: str
+    words: tuple[WordInfo, ...]
+    end_of_turn_confidence: float  # the turn model's last probability in this turn (0 before)
+    audio_received_s: float
+    trigger: str | None = None  # on ``end``: "model", "timeout" or "manual"
+
+    def to_json(self) -> str:
+        """Compact JSON, floats rounded to milliseconds."""
+        obj: dict[str, object] = {
+            "type": "turn",
+            "event": self.event,
+            "turn_index": self.turn_index,
+            "start": _ms(self.start),
+            "end": _ms(self.end),
+            "text": self.text,
+            "words": [w.to_obj() for w in self.words],
+            "end_of_turn_confidence": _ms(self.end_of_turn_confidence),
+            "audio_received_s": _ms(self.audio_received_s),
+        }
+        if self.trigger is not None:
+            obj["trigger"] = self.trigger
+        return _dumps(obj)
+
+
+@dataclass(frozen=True)
 class ErrorMessage:
     """Something went wrong; ``fatal`` says the server is about to close the connection."""
 
@@ -366,6 +419,7 @@ ServerMessage: TypeAlias = (
     | SpeechEndedMessage
     | PartialMessage
     | FinalMessage
+    | TurnMessage
     | ErrorMessage
     | DoneMessage
 )
@@ -394,6 +448,10 @@ def parse_client_message(text: str) -> ClientMessage:
             end_of_speech_ms=fields.opt_int("end_of_speech_ms"),
             speakers=fields.opt_bool("speakers") if "speakers" in obj else None,
             finals=_check_choice(fields.opt_str("finals"), "finals", FINALS),
+            turns=fields.opt_bool("turns") if "turns" in obj else None,
+            eot_threshold=fields.opt_float("eot_threshold"),
+            eager_eot_threshold=fields.opt_float("eager_eot_threshold"),
+            eot_timeout_ms=fields.opt_int("eot_timeout_ms"),
         )
     elif kind == "flush":
         message = FlushMessage()
@@ -474,15 +532,15 @@ def _parse_partial(f: _Fields) -> PartialMessage:
     )
 
 
-def _parse_final(f: _Fields) -> FinalMessage:
+def _parse_words(f: _Fields, kind: str) -> tuple[WordInfo, ...]:
     raw_words = f.get("words")
     if not isinstance(raw_words, list):
-        raise ProtocolError(f"'final' field 'words' must be a list, got {_json_type(raw_words)}")
+        raise ProtocolError(f"{kind!r} field 'words' must be a list, got {_json_type(raw_words)}")
     words = []
     for i, raw in enumerate(raw_words):
         if not isinstance(raw, dict):
-            raise ProtocolError(f"'final' words[{i}] must be an object, got {_json_type(raw)}")
-        w = _Fields(raw, f"final words[{i}]")
+            raise ProtocolError(f"{kind!r} words[{i}] must be an object, got {_json_type(raw)}")
+        w = _Fields(raw, f"{kind} words[{i}]")
         words.append(
             WordInfo(
                 word=w.str_("word"),
@@ -493,17 +551,35 @@ def _parse_final(f: _Fields) -> FinalMessage:
                 speaker_confidence=w.opt_float("speaker_confidence"),
             )
         )
+    return tuple(words)
+
+
+def _parse_final(f: _Fields) -> FinalMessage:
     return FinalMessage(
         segment_id=f.int_("segment_id"),
         text=f.str_("text"),
         start=f.float_("start"),
         end=f.float_("end"),
-        words=tuple(words),
+        words=_parse_words(f, "final"),
         audio_received_s=f.float_("audio_received_s"),
         lag_s=f.opt_float("lag_s"),
         language=f.opt_str("language"),
         language_probability=f.opt_float("language_probability"),
         speaker=f.opt_int("speaker"),
+    )
+
+
+def _parse_turn(f: _Fields) -> TurnMessage:
+    return TurnMessage(
+        event=f.str_("event"),
+        turn_index=f.int_("turn_index"),
+        start=f.float_("start"),
+        end=f.float_("end"),
+        text=f.str_("text"),
+        words=_parse_words(f, "turn"),
+        end_of_turn_confidence=f.float_("end_of_turn_confidence"),
+        audio_received_s=f.float_("audio_received_s"),
+        trigger=f.opt_str("trigger"),
     )
 
 
@@ -534,6 +610,7 @@ _SERVER_PARSERS: Mapping[str, Callable[[_Fields], ServerMessage]] = {
     "speech_ended": _parse_speech_ended,
     "partial": _parse_partial,
     "final": _parse_final,
+    "turn": _parse_turn,
     "error": _parse_error,
     "done": _parse_done,
 }
