@@ -455,3 +455,22 @@ class GatedSpeakerEncoder:
         self.entered.set()
         self.release.wait()
         return self.encoder.embed_many(pieces)
+
+
+class FixedTurnModel:
+    """A turn model (``TurnScorer``) that gives every pause the same probability, so which
+    pause ends a turn is known in advance: none below the stream's threshold (the silence
+    timeout ends it), every one at or above it. Smart Turn itself calls most pauses of read
+    speech complete, mid-sentence ones too, so it cannot make a turn span a pause on cue.
+    ``scored`` counts its calls (the thread of the pipeline's turn pool makes them)."""
+
+    def __init__(self, probability: float) -> None:
+        self.probability = probability
+        self.scored = 0
+
+    def load(self) -> None:
+        """Nothing to load."""
+
+    def score(self, audio_16k: Float32Array) -> float:
+        self.scored += 1
+        return self.probability

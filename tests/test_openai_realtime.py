@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +36,7 @@ from server.core.session import END_OF_SPEECH_MS_RANGE
 from server.protocol.audio import pcm_s16le_bytes
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.serve.app import WhisperwireServer
-from tests.helpers import ScriptedEngine, TimedEngine
+from tests.helpers import FixedTurnModel, TimedEngine, scripted_server
 
 if TYPE_CHECKING:
     from server.engine.engine import Engine
@@ -283,6 +282,71 @@ async def test_the_beta_client_commits_by_hand_without_turn_detection(
     assert wer(reference(manifest, CLIP), transcript) <= MAX_WER_CLIP, transcript
 
 
+# Two sentences, by two readers: each a turn of its own when a pause comes between them.
+SENTENCES = ("misc_en/LDC93S1.wav", "misc_en/arctic_a0024.wav")
+
+
+def two_sentences(speech_dir: Path, gap_s: float, silence_s: float) -> np.ndarray:
+    """``SENTENCES``, ``gap_s`` apart, ``silence_s`` of silence after (16 kHz)."""
+    first, second = (load_clip(speech_dir / name) for name in SENTENCES)
+    gap = np.zeros(round(gap_s * SAMPLE_RATE_HZ), np.float32)
+    after = np.zeros(round(silence_s * SAMPLE_RATE_HZ), np.float32)
+    return np.concatenate([first, gap, second, after])
+
+
+def semantic_vad(eagerness: str | None = None) -> dict[str, Any]:
+    """A GA transcription session with ``semantic_vad`` (at ``eagerness`` when given)."""
+    detection = {"type": "semantic_vad"}
+    if eagerness is not None:
+        detection["eagerness"] = eagerness
+    return {"type": "transcription", "audio": {"input": {"turn_detection": detection}}}
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_the_openai_client_with_semantic_vad_gets_an_item_per_turn(
+    server_url: str, speech_dir: Path, manifest: list[ManifestRow]
+) -> None:
+    """``semantic_vad`` at high eagerness (OpenAI's 2 s at most): a sentence and 3 s of
+    silence are a turn, which the turn model (or the 2 s) ends; the client waits for its
+    transcript, as a voice agent takes its turn, then says the next. Each turn is an item with
+    OpenAI's events and its own transcript."""
+    client = AsyncOpenAI(base_url=http_base(server_url) + "/v1", api_key="unused", max_retries=0)
+    events: list[Any] = []
+    async with client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
+        await conn.recv()  # session.created
+        await conn.session.update(session=semantic_vad("high"))  # type: ignore[arg-type]
+        updated = await conn.recv()
+        assert updated.type == "session.updated", updated
+        detection = updated.session.audio.input.turn_detection
+        assert (detection.type, detection.eagerness) == ("semantic_vad", "high")
+        for turn, name in enumerate(SENTENCES, start=1):
+            sentence = load_clip(speech_dir / name)
+            for chunk in chunks(pcm24(sentence, silence_s=3.0)):
+                await conn.input_audio_buffer.append(audio=chunk)
+
+            async def receive(turns: int = turn) -> None:
+                async for event in conn:
+                    events.append(event)
+                    if [e.type for e in events].count(COMPLETED) == turns:
+                        return
+
+            await asyncio.wait_for(receive(), WAIT_S)
+    assert not [e for e in events if e.type == "error"], events
+    transcripts = check_items(events)
+    started = [e for e in events if e.type == "input_audio_buffer.speech_started"]
+    completed = [e for e in events if e.type == COMPLETED]
+    assert [e.item_id for e in started] == [e.item_id for e in completed]
+    for event in started:
+        [stopped] = [
+            e
+            for e in events
+            if e.type == "input_audio_buffer.speech_stopped" and e.item_id == event.item_id
+        ]
+        assert stopped.audio_end_ms > event.audio_start_ms
+    for name, transcript in zip(SENTENCES, transcripts, strict=True):
+        assert wer(reference(manifest, name), transcript) <= MAX_WER_CLIP, transcripts
+
+
 @pytest.mark.asyncio(loop_scope="session")
 async def test_livekits_openai_plugin_transcribes_in_realtime_mode(
     server_url: str, speech_dir: Path, manifest: list[ManifestRow]
@@ -408,15 +472,6 @@ async def test_speech_stopped_comes_at_the_endpoint_and_completed_with_the_final
 
 
 # --------------------------------------------------------------------------- protocol edges
-
-
-@contextlib.asynccontextmanager
-async def scripted_server(**overrides: Any) -> AsyncIterator[WhisperwireServer]:
-    streaming = overrides.pop("streaming", None)
-    config = ServerConfig(host="127.0.0.1", port=0, **overrides)
-    engine = ScriptedEngine()
-    async with WhisperwireServer(lambda: engine, server=config, streaming=streaming) as server:
-        yield server
 
 
 def realtime_url(server: WhisperwireServer, query: str = "intent=transcription") -> str:
@@ -607,6 +662,100 @@ async def test_server_vad_parameters_are_applied_and_reported() -> None:
             await send(ws, type="session.update", session=detection(**bad))
             error = await next_event(ws, "error")
             assert error["error"]["param"].startswith("session.audio.input.turn_detection."), error
+
+
+async def items_of(
+    server: WhisperwireServer, session: dict[str, Any], parts: list[bytes], items: int
+) -> list[dict[str, Any]]:
+    """The server events of a stream of ``parts`` (PCM16 at 24 kHz, each ending in a pause
+    the client waits out as a speaker would) under ``session``, up to the ``items``-th
+    completed transcript."""
+    events: list[dict[str, Any]] = []
+    async with connect(realtime_url(server)) as ws:
+        await next_event(ws)
+        await send(ws, type="session.update", session=session)
+        assert (await next_event(ws))["type"] == "session.updated"
+        for k, part in enumerate(parts):
+            if k:
+                await asyncio.sleep(PAUSE_S)  # in real time: the server may end the turn
+            for chunk in chunks(part):
+                await send(ws, type="input_audio_buffer.append", audio=chunk)
+        while [e["type"] for e in events].count(COMPLETED) < items:
+            events.append(await next_event(ws))
+    assert not [e for e in events if e["type"] == "error"], events
+    return events
+
+
+PAUSE_S = 1.2  # longer than the end of speech (500 ms), shorter than high eagerness's 2 s
+
+
+async def test_with_semantic_vad_an_item_goes_on_across_a_pause_the_turn_model_calls_unfinished(
+    speech_dir: Path,
+) -> None:
+    """Two sentences, a pause between them. server_vad ends an item at the pause (the voice
+    activity detector ends speech after 500 ms of silence); with semantic_vad a turn model
+    that calls the speaker unfinished keeps one item across it, until high eagerness's 2 s of
+    silence. (One that calls every pause finished ends the turn there: two items.)"""
+    first, second = (load_clip(speech_dir / name) for name in SENTENCES)
+    parts = [pcm24(first, silence_s=PAUSE_S), pcm24(second, silence_s=3.0)]
+    first_s = first.size / SAMPLE_RATE_HZ
+    unfinished = FixedTurnModel(0.0)
+    async with scripted_server() as server:
+        server.pipeline.turn_model = unfinished
+        by_vad = await items_of(server, {"type": "transcription"}, parts, items=2)
+        by_turn = await items_of(server, semantic_vad("high"), parts, items=1)
+    first_item = next(e for e in by_vad if e["type"] == COMPLETED)
+    assert first_item["usage"]["seconds"] < first_s + PAUSE_S / 2
+    assert unfinished.scored >= 1  # the pause was the turn model's to call
+    kinds = [e["type"] for e in by_turn]
+    ends = ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed", COMPLETED]
+    assert [k for k in kinds if k != DELTA] == ["input_audio_buffer.speech_started", *ends]
+    assert len({e["item_id"] for e in by_turn}) == 1
+    # The item holds both sentences, and its deltas add up to its transcript.
+    stopped, item = by_turn[-3], by_turn[-1]
+    assert stopped["audio_end_ms"] > (first_s + PAUSE_S) * 1000, stopped
+    assert item["usage"]["seconds"] > first_s + PAUSE_S, item
+    assert item["transcript"] == "".join(e["delta"] for e in by_turn if e["type"] == DELTA)
+
+
+async def test_semantic_vad_is_taken_in_both_shapes_and_refused_in_openais_words() -> None:
+    async with scripted_server() as server, connect(realtime_url(server)) as ws:
+        await next_event(ws)
+        await send(ws, type="session.update", session=semantic_vad())
+        updated = await next_event(ws, "session.updated")
+        detection = updated["session"]["audio"]["input"]["turn_detection"]
+        assert detection == {"type": "semantic_vad", "eagerness": "auto"}
+        beta = {"turn_detection": {"type": "semantic_vad", "eagerness": "low"}}
+        await send(ws, type="transcription_session.update", session=beta)
+        updated = await next_event(ws, "transcription_session.updated")
+        assert updated["session"]["turn_detection"] == beta["turn_detection"]
+        await send(ws, type="session.update", session=semantic_vad("eager"))
+        error = (await next_event(ws, "error"))["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "invalid_value"
+        assert error["param"] == "session.audio.input.turn_detection.eagerness", error
+        assert "'low', 'medium', 'high', 'auto'" in error["message"]
+        vad_only = semantic_vad("high")
+        vad_only["audio"]["input"]["turn_detection"]["silence_duration_ms"] = 300
+        await send(ws, type="session.update", session=vad_only)
+        error = (await next_event(ws, "error"))["error"]
+        assert error["param"] == "session.audio.input.turn_detection.silence_duration_ms", error
+        # What was refused changed nothing: the session is still at low eagerness.
+        await send(ws, type="session.update", session={"type": "transcription"})
+        updated = await next_event(ws, "session.updated")
+        detection = updated["session"]["audio"]["input"]["turn_detection"]
+        assert detection == {"type": "semantic_vad", "eagerness": "low"}
+    async with scripted_server(turn_model=False) as server, connect(realtime_url(server)) as ws:
+        await next_event(ws)
+        for kind, session, param in (
+            ("session.update", semantic_vad("high"), "session.audio.input.turn_detection.type"),
+            ("transcription_session.update", beta, "session.turn_detection.type"),
+        ):
+            await send(ws, type=kind, session=session)
+            error = (await next_event(ws, "error"))["error"]
+            assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+            assert "semantic_vad needs the turn model" in error["message"]
+        await send(ws, type="session.update", session=MANUAL)  # the session goes on
+        assert (await next_event(ws))["type"] == "session.updated"
 
 
 async def test_a_cleared_item_is_dropped_and_the_next_one_completes(speech_dir: Path) -> None:

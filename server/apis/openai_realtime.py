@@ -15,7 +15,10 @@ Server events: ``session.created`` / ``session.updated`` (beta: ``transcription_
 ``conversation.item.input_audio_transcription.delta`` and ``.completed``, ``error``.
 
 Items are turns: with ``server_vad`` (the default) a turn is one utterance of our voice
-activity detector; with ``turn_detection: null`` it is the audio between two commits. Deltas
+activity detector; with ``semantic_vad`` a conversational turn of the turn model
+(``server/core/turns.py``: it goes on across the detector's pauses until Smart Turn calls the
+speaker finished, or a silence of the eagerness's timeout); with ``turn_detection: null`` it
+is the audio between two commits. Deltas
 carry our finals only, never a partial: a delta cannot be taken back, and a partial may be
 revised. So the deltas of an item always add up to its ``completed`` transcript, and the first
 delta comes when the first words are final (about a second after they were spoken).
@@ -43,6 +46,7 @@ from server.core.session import (
     Settled,
     nearest_end_of_speech_ms,
 )
+from server.core.turns import TurnConfig, TurnEvent, TurnKind
 from server.decode.stream_driver import AdapterEvent, Outgoing, StreamDriver
 from server.protocol.errors import ProtocolError, StreamError
 from server.protocol.formats import MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, AudioFormat
@@ -76,6 +80,23 @@ UNSUPPORTED_EVENTS = (
 _TRANSCRIPTION_OPTIONS = ("model", "language", "prompt")
 _VAD_OPTIONS = ("type", "threshold", "prefix_padding_ms", "silence_duration_ms")
 _VAD_FLAGS = ("create_response", "interrupt_response")  # not for transcription sessions
+# semantic_vad's eagerness as the turn model's settings. OpenAI documents the longest each
+# waits for the speaker to go on (low 8 s, medium 4 s, high 2 s): that is the silence that ends
+# the turn whatever the model says. Sooner, a pause ends the turn where Smart Turn's
+# probability that the speaker finished reaches the threshold: an eager session takes a lean
+# towards finished (0.5, the lowest Flux allows), a patient one only near certainty (0.9, the
+# highest); medium is Flux's default (0.7). "auto" is medium, as OpenAI has it.
+_MEDIUM = TurnConfig(eot_threshold=0.7, eot_timeout_ms=4000)
+EAGERNESS = {
+    "low": TurnConfig(eot_threshold=0.9, eot_timeout_ms=8000),
+    "medium": _MEDIUM,
+    "high": TurnConfig(eot_threshold=0.5, eot_timeout_ms=2000),
+    "auto": _MEDIUM,
+}
+NO_TURN_MODEL = (
+    "semantic_vad needs the turn model, which is not installed on this server (onnxruntime "
+    "and Smart Turn: deploy/install.sh); use server_vad"
+)
 # A commit or clear closes the session's utterance where its resampled audio ends, which is up
 # to the resampler's delay (a few ms) before the client's count of seconds appended.
 _BOUNDARY_SLACK_S = 0.05
@@ -151,6 +172,8 @@ class _Config:
     silence_ms: int | None = None
     padding_ms: int | None = None
     threshold: float | None = None
+    # semantic_vad's eagerness as asked (a key of EAGERNESS); None: not semantic_vad
+    eagerness: str | None = None
 
 
 @dataclass
@@ -233,17 +256,30 @@ class RealtimeAdapter:
                     code="input_audio_buffer_commit_empty",
                 )
             self._uncommitted = False
-            driver.flush()
-            driver.send(_Commit(audio_received_s=driver.session.audio_received_s))
+            if self._config.eagerness is not None:
+                # semantic_vad: the client's commit ends the turn too. The item is committed
+                # first, so the finals of its speech go to it, then the turn's end.
+                driver.send(_Commit(audio_received_s=driver.session.audio_received_s))
+                driver.force_end_turn()
+            else:
+                driver.flush()
+                driver.send(_Commit(audio_received_s=driver.session.audio_received_s))
         elif kind == "input_audio_buffer.clear":
             _reject_unknown(event, ("type", "event_id"), "")
             flushed = self._uncommitted
+            self._uncommitted = False
+            cleared = _Clear(audio_received_s=driver.session.audio_received_s, flushed=flushed)
+            if flushed and self._config.eagerness is not None:
+                # semantic_vad: the cleared speech ends its turn (dropped, as below), and the
+                # speech after the clear starts a turn of its own.
+                driver.send(cleared)
+                driver.force_end_turn()
+                return
             if flushed:
                 # The audio cannot be taken back from the stream; its utterance is closed here
                 # and its text dropped when it comes.
                 driver.flush()
-            self._uncommitted = False
-            driver.send(_Clear(audio_received_s=driver.session.audio_received_s, flushed=flushed))
+            driver.send(cleared)
         elif kind in UNSUPPORTED_EVENTS:
             raise RealtimeRequestError(
                 f"{kind!r} is not available in a transcription session",
@@ -288,6 +324,10 @@ class RealtimeAdapter:
                 "'session' must be an object", code="invalid_type", param="session"
             )
         wanted = _beta_config(session, self._config) if beta else _ga_config(session, self._config)
+        assert self._settings is not None
+        if wanted.eagerness is not None and not self._settings.turn_model:
+            where = "session" if beta else "session.audio.input"
+            raise _refuse(f"{where}.turn_detection.type", NO_TURN_MODEL)
         self._apply(wanted, driver)
         driver.send(
             _Updated(audio_received_s=driver.session.audio_received_s, beta=beta, config=wanted)
@@ -313,6 +353,7 @@ class RealtimeAdapter:
                     vad_aggressiveness=None
                     if wanted.threshold is None
                     else min(3, int(wanted.threshold * 4)),
+                    turns=None if wanted.eagerness is None else EAGERNESS[wanted.eagerness],
                 )
             )
         except ProtocolError as exc:
@@ -377,6 +418,8 @@ class RealtimeAdapter:
                 item_id=turn.item_id,
             )
             return [stopped, *self._commit(turn, message.end)]
+        if isinstance(message, TurnEvent):
+            return self._turn_event(message)
         if isinstance(message, FinalMessage):
             return self._delta(message)
         if isinstance(message, ErrorMessage):
@@ -387,6 +430,33 @@ class RealtimeAdapter:
                 out += self._commit(self._turns[-1], message.audio_received_s)
             return out + self._complete(everything=True)
         return []  # partials and v1 messages without an OpenAI counterpart
+
+    def _turn_event(self, event: TurnEvent) -> list[str]:
+        """semantic_vad: an item is the turn model's turn. It starts with the turn's first
+        speech, and its end (which follows the turn's last final) stops, commits and completes
+        it at once."""
+        if event.kind is TurnKind.START:
+            turn = self._open_turn(event.start_s)
+            started = self._event(
+                "input_audio_buffer.speech_started",
+                audio_start_ms=round(event.start_s * 1000),
+                item_id=turn.item_id,
+            )
+            return [started]
+        if event.kind is not TurnKind.END:
+            return []
+        out = []
+        if self._turns and self._turns[-1].end_s is None:  # else the client committed it
+            turn = self._turns[-1]
+            out.append(
+                self._event(
+                    "input_audio_buffer.speech_stopped",
+                    audio_end_ms=round(max(event.end_s, turn.start_s) * 1000),
+                    item_id=turn.item_id,
+                )
+            )
+            out += self._commit(turn, event.end_s)
+        return out + self._complete()
 
     def _open_turn(self, start_s: float) -> _Turn:
         """The open turn, or a new one starting at ``start_s``."""
@@ -454,16 +524,16 @@ class RealtimeAdapter:
     def _session_object(self, config: _Config, beta: bool) -> dict[str, Any]:
         assert self._settings is not None
         transcription = {"model": self._settings.model, "language": config.language, "prompt": ""}
-        turn_detection = (
-            {
+        turn_detection: dict[str, Any] | None = None
+        if config.server_vad:
+            turn_detection = {
                 "type": "server_vad",
                 "threshold": self._vad.aggressiveness / 4,  # webrtcvad's mode, as a threshold
                 "prefix_padding_ms": self._vad.speech_pad_ms,
                 "silence_duration_ms": self._vad.speech_end_silence_ms,
             }
-            if config.server_vad
-            else None
-        )
+        elif config.eagerness is not None:
+            turn_detection = {"type": "semantic_vad", "eagerness": config.eagerness}
         session_id = f"sess_{self._settings.session_id}"
         if beta:
             return {
@@ -729,20 +799,23 @@ def _transcription(
 
 
 def _turn_detection(audio_input: Mapping[str, Any], where: str, current: _Config) -> _Config:
-    """``current`` with the turn detection asked for: ``server_vad`` and its parameters, or
-    null (turns are the client's commits)."""
+    """``current`` with the turn detection asked for: ``server_vad`` and its parameters,
+    ``semantic_vad`` and its eagerness, or null (turns are the client's commits)."""
     if "turn_detection" not in audio_input:
         return current
     detection = _object(audio_input, "turn_detection", where)
     if detection is None:
-        return dataclasses.replace(current, server_vad=False)
+        return dataclasses.replace(current, server_vad=False, eagerness=None)
     where = f"{where}.turn_detection"
     _reject_unknown(detection, (*_VAD_OPTIONS, *_VAD_FLAGS, "idle_timeout_ms", "eagerness"), where)
-    if detection.get("type", "server_vad") != "server_vad":
-        raise _refuse(f"{where}.type", "only 'server_vad' or null is supported")
+    kind = detection.get("type", "server_vad")
+    if kind not in ("server_vad", "semantic_vad"):
+        raise _refuse(f"{where}.type", "only 'server_vad', 'semantic_vad' or null is supported")
     for name in _VAD_FLAGS:
         if detection.get(name):
             raise _refuse(f"{where}.{name}", "transcription sessions create no responses")
+    if kind == "semantic_vad":
+        return _semantic_vad(detection, where, current)
     for name in ("idle_timeout_ms", "eagerness"):
         if detection.get(name) is not None:
             raise _refuse(f"{where}.{name}", "not available with server_vad transcription")
@@ -763,6 +836,27 @@ def _turn_detection(audio_input: Mapping[str, Any], where: str, current: _Config
         silence_ms=_milliseconds(detection, "silence_duration_ms", where),
         padding_ms=_milliseconds(detection, "prefix_padding_ms", where),
         threshold=None if threshold is None else float(threshold),
+        eagerness=None,
+    )
+
+
+def _semantic_vad(detection: Mapping[str, Any], where: str, current: _Config) -> _Config:
+    """``current`` with ``semantic_vad`` at the eagerness asked for ("auto" when none); the
+    voice activity detector runs with the server's settings."""
+    for name in ("threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms"):
+        if detection.get(name) is not None:
+            raise _refuse(f"{where}.{name}", "only for server_vad; semantic_vad takes eagerness")
+    eagerness = detection.get("eagerness")
+    if eagerness is None:
+        eagerness = "auto"
+    _choice(eagerness, {name: name for name in EAGERNESS}, f"{where}.eagerness")
+    return dataclasses.replace(
+        current,
+        server_vad=False,
+        silence_ms=None,
+        padding_ms=None,
+        threshold=None,
+        eagerness=eagerness,
     )
 
 
