@@ -718,6 +718,35 @@ async def test_with_semantic_vad_an_item_goes_on_across_a_pause_the_turn_model_c
     assert item["transcript"] == "".join(e["delta"] for e in by_turn if e["type"] == DELTA)
 
 
+async def test_with_semantic_vad_a_commit_ends_the_turn_with_its_item(speech_dir: Path) -> None:
+    """A push-to-talk client on semantic_vad: each commit ends the item and the turn, so the
+    speech after it is a turn and an item of its own, although the turn model calls neither
+    finished."""
+    items: list[list[dict[str, Any]]] = []
+    async with scripted_server() as server:
+        server.pipeline.turn_model = FixedTurnModel(0.0)
+        async with connect(realtime_url(server)) as ws:
+            await next_event(ws)
+            await send(ws, type="session.update", session=semantic_vad("low"))
+            await next_event(ws, "session.updated")
+            for name in SENTENCES:
+                for chunk in chunks(pcm24(load_clip(speech_dir / name), silence_s=0.3)):
+                    await send(ws, type="input_audio_buffer.append", audio=chunk)
+                await send(ws, type="input_audio_buffer.commit")
+                items.append([])
+                while not items[-1] or items[-1][-1]["type"] != COMPLETED:
+                    items[-1].append(await next_event(ws))
+    for events in items:
+        kinds = [e["type"] for e in events if e["type"] != DELTA]
+        assert kinds == [
+            "input_audio_buffer.speech_started",
+            "input_audio_buffer.committed",
+            COMPLETED,
+        ]
+        assert len({e["item_id"] for e in events}) == 1 and events[-1]["transcript"]
+    assert items[0][0]["item_id"] != items[1][0]["item_id"]
+
+
 async def test_semantic_vad_is_taken_in_both_shapes_and_refused_in_openais_words() -> None:
     async with scripted_server() as server, connect(realtime_url(server)) as ws:
         await next_event(ws)
