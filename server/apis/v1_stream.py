@@ -44,7 +44,7 @@ QUERY_FIELDS = (
     "speakers",
     "finals",
     "turns",
-)  # and TURN_OPTIONS, numbers
+)  # and the turn options (TURN_OPTIONS), read as numbers
 # The session's turn events as v1 names them; ``Update`` has none (partials and finals carry
 # its text).
 TURN_EVENT_NAMES = {
@@ -119,8 +119,9 @@ def _turns_from_config(
 
 def apply_text(text: str, stream: StreamControls, *, turn_model: bool = True) -> None:
     """One v1 text frame (``config``, ``flush`` or ``end``) as ``stream``'s call. Raises
-    ProtocolError for a message that is not v1 or not allowed now (``turn_model`` False: a
-    config that asks for turns)."""
+    ProtocolError for a message that is not v1 or not allowed now. ``turn_model``: whether
+    the server can score turns (the adapter says; a session driven alone takes them as
+    asked), else a config that asks for turns is refused."""
     message = parse_client_message(text)
     if isinstance(message, ConfigMessage):
         stream.configure(settings_from_config(message, stream.settings, turn_model=turn_model))
