@@ -78,14 +78,12 @@ ACTIVE = "whisperwire_sessions_active"
 REFUSED = "whisperwire_sessions_refused_total"
 CAPACITY = "whisperwire_capacity_streams"
 MAX_WER_CLIP = 0.35  # as in test_app: one short clip streamed, a word or two wrong
-# The six clips of the spread check, 4 to 11 s each; all different, so a mix-up shows.
+# The four clips of the spread check, 4 to 11 s each; all different, so a mix-up shows.
 SPREAD_CLIPS = (
     "misc_en/jfk.wav",
     "librispeech_test-clean/1089-134686-0000.wav",
     "ljspeech/LJ001-0014.wav",
     "librispeech_test-clean/1089-134691-0001.wav",
-    "ljspeech/LJ001-0004.wav",
-    "misc_en/arctic_a0024.wav",
 )
 DRAIN_CLIP = "librispeech_dev-clean/2412-153948-0000.wav"  # 11.7 s: SIGTERM 4 s in
 RESUME_CLIPS = ("ljspeech/LJ001-0001.wav", "ljspeech/LJ001-0003.wav")  # joined: 20 s
@@ -541,7 +539,7 @@ async def test_two_real_instances_behind_haproxy_drain_without_losing_a_word(
             await lb.haproxy.wait_for("ww1", "UP")
             await lb.haproxy.wait_for("ww2", "UP")
 
-            # -- six sessions spread by leastconn, three on each instance --------------------
+            # -- four sessions spread by leastconn, two on each instance ---------------------
             before = [await sessions_total(i) for i in instances]
 
             async def spread_client(k: int, file: str) -> StreamResult:
@@ -555,11 +553,11 @@ async def test_two_real_instances_behind_haproxy_drain_without_losing_a_word(
             results = await asyncio.wait_for(
                 asyncio.gather(*(spread_client(k, f) for k, f in enumerate(SPREAD_CLIPS))), 240
             )
-            figures["six_sessions_wall_s"] = round(time.monotonic() - started, 1)
+            figures["four_sessions_wall_s"] = round(time.monotonic() - started, 1)
             after = [await sessions_total(i) for i in instances]
             per_instance = [int(a - b) for a, b in zip(after, before, strict=True)]
             figures["sessions_per_instance"] = per_instance
-            assert per_instance == [3, 3]
+            assert per_instance == [2, 2]
             for file, result in zip(SPREAD_CLIPS, results, strict=True):
                 check_complete(result, clip_s(speech_dir, file))
                 assert wer(reference(manifest, file), result.text) <= MAX_WER_CLIP, (
@@ -719,7 +717,7 @@ ADMISSION_INSTANCE_ARGS = (
     *("--model", "tiny.en", "--api-key", API_KEY, "--log-level", "info"),
     *("--decode-lanes", "1"),
 )
-BURST_CLIPS = SPREAD_CLIPS[:4]  # 4 to 11 s each, all different
+BURST_CLIPS = SPREAD_CLIPS  # 4 to 11 s each, all different
 
 
 async def all_at_once(

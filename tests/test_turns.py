@@ -6,7 +6,13 @@ import pytest
 
 from server.core.emitter import Settled
 from server.core.turns import TurnConfig, TurnKind, TurnTracker
-from server.protocol.messages import FinalMessage, PartialMessage, SpeechStartedMessage, WordInfo
+from server.protocol.messages import (
+    FinalMessage,
+    PartialMessage,
+    SpeechEndedMessage,
+    SpeechStartedMessage,
+    WordInfo,
+)
 
 
 def final(text: str, start: float, end: float, segment: int = 0) -> FinalMessage:
@@ -91,3 +97,44 @@ def test_a_timeout_or_a_manual_end_names_its_trigger() -> None:
 
 def test_settled_without_a_turn_says_nothing() -> None:
     assert TurnTracker(TurnConfig()).observe(Settled(1.0), 1.0) == []
+
+
+def test_a_model_end_that_a_silence_past_the_timeout_confirmed_stands_when_speech_comes() -> None:
+    """The model ended the turn, its last final is late (a decoder behind), and the speaker
+    spoke again only after a silence longer than ``eot_timeout_ms``: that speech starts the
+    next turn, once this one has ended with its own words."""
+    turns = TurnTracker(TurnConfig(eot_timeout_ms=2000))
+    turns.observe(SpeechStartedMessage(0.0, 0.1), 0.1)
+    assert turns.scored(0.9, 1.2) == []
+    turns.observe(SpeechEndedMessage(1.0, 1.3), 1.3)
+    assert turns.observe(SpeechStartedMessage(3.5, 3.6), 3.6) == []  # 2.5 s later
+    assert not turns.deciding  # not taken back
+    assert turns.observe(PartialMessage(1, "and then", 3.5, 4.0, 4.1, 0.0), 4.1) == []
+    turns.observe(final("Book it.", 0.1, 0.9), 4.3)
+    [end, start] = turns.settled(4.3)
+    assert (end.kind, end.trigger, end.transcript) == (TurnKind.END, "model", "Book it.")
+    assert start.kind is TurnKind.START and (start.turn_index, start.start_s) == (1, 3.5)
+    [update] = turns.observe(final("And then?", 3.5, 4.0, 1), 4.6)
+    assert update.kind is TurnKind.UPDATE and update.transcript == "And then?"
+
+
+def test_speech_within_the_timeout_after_a_model_end_still_resumes_the_turn() -> None:
+    turns = TurnTracker(TurnConfig(eot_timeout_ms=2000))
+    turns.observe(SpeechStartedMessage(0.0, 0.1), 0.1)
+    turns.scored(0.9, 1.2)
+    turns.observe(SpeechEndedMessage(1.0, 1.3), 1.3)
+    turns.observe(SpeechStartedMessage(1.8, 1.9), 1.9)
+    assert turns.deciding
+
+
+def test_speech_after_a_manual_end_waits_for_the_ended_turns_words_then_opens_the_next() -> None:
+    turns = TurnTracker(TurnConfig())
+    turns.observe(SpeechStartedMessage(0.0, 0.1), 0.1)
+    turns.decide("manual")
+    turns.observe(SpeechStartedMessage(1.5, 1.6), 1.6)  # before "Stop." is final
+    turns.observe(final("Stop.", 0.1, 0.6), 1.8)
+    # Its words are final (no Settled seen yet): the next turn's first final ends it.
+    [end, start, update] = turns.observe(final("Go on.", 1.5, 2.0, 1), 2.4)
+    assert (end.trigger, end.transcript) == ("manual", "Stop.")
+    assert start.kind is TurnKind.START and start.start_s == 1.5
+    assert update.transcript == "Go on." and turns.settled(2.6) == []  # undecided

@@ -32,6 +32,7 @@ from server.protocol.formats import SAMPLE_RATE_HZ
 from server.protocol.messages import (
     FinalMessage,
     PartialMessage,
+    SpeechEndedMessage,
     SpeechStartedMessage,
     WordInfo,
 )
@@ -39,6 +40,7 @@ from server.protocol.messages import (
 Float32Array = npt.NDArray[np.float32]
 # What the turn model hears of a turn: its last seconds up to the pause (Smart Turn's 8 s).
 TURN_AUDIO_S = 8.0
+_EPSILON_S = 1e-6  # stream times are sums of sample counts: equal within this
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,10 @@ class _Turn:
     confidence: float = 0.0
     eager: bool = False  # an EagerEndOfTurn was sent and speech has not gone on since
     ending: str | None = None  # decided: why it ends, once every word is final
+    # The end can no longer be taken back: a timeout or the client ended the turn, or the
+    # silence after the model's end outlasted ``eot_timeout_ms`` (it would have ended it).
+    firm: bool = False
+    silent_from_s: float | None = None  # where the turn's speech last ended, while silent
     last_text: str | None = None  # the transcript of the last event sent
 
 
@@ -129,6 +135,9 @@ class TurnTracker:
     def __init__(self, config: TurnConfig) -> None:
         self.config = config
         self._turn: _Turn | None = None
+        # Speech that began after a firm end, before that turn's words were all final: where
+        # the next turn starts, once the last one has ended.
+        self._next_start_s: float | None = None
         self._next_index = 0
         self.scored_to = -1  # the last pause the model scored (or is scoring)
 
@@ -175,7 +184,7 @@ class TurnTracker:
     def resumed(self, now_s: float) -> list[TurnEvent]:
         """Speech went on after the pause last scored (within an utterance or in a new one)."""
         turn = self._turn
-        if turn is None:
+        if turn is None or turn.firm:
             return []
         if turn.ending == "model":
             turn.ending = None  # the speaker went on before the turn's words were final
@@ -185,9 +194,11 @@ class TurnTracker:
         return [self._event(TurnKind.RESUMED, now_s)]
 
     def decide(self, trigger: str) -> None:
-        """End the open turn once its words are final (``trigger``: timeout or manual)."""
-        if self._turn is not None and self._turn.ending is None:
-            self._turn.ending = trigger
+        """End the open turn once its words are final (``trigger``: timeout or manual); a
+        model's end already decided stands, and no longer yields to speech."""
+        if self._turn is not None:
+            self._turn.ending = self._turn.ending or trigger
+            self._turn.firm = True
 
     def observe(self, event: object, now_s: float) -> list[TurnEvent]:
         """The turn events that one of the session's events makes."""
@@ -196,16 +207,25 @@ class TurnTracker:
         turn = self._turn
         if turn is None:
             return []
+        if isinstance(event, SpeechEndedMessage):
+            turn.silent_from_s = event.end
+            return []
+        if not isinstance(event, FinalMessage | PartialMessage):
+            return []
+        if self._next_start_s is not None and event.start >= self._next_start_s - _EPSILON_S:
+            # Words of the speech after a firm end: the last turn's words were all final
+            # before these (finals come in order); a partial waits for its own turn.
+            if isinstance(event, PartialMessage):
+                return []
+            return [*self._end(now_s), *self.observe(event, now_s)]
         if isinstance(event, FinalMessage):
             turn.finals.extend(event.words)
             turn.final_texts.append(event.text)
             turn.shown, turn.shown_text = (), ""
-        elif isinstance(event, PartialMessage):
+        else:
             turn.shown_text = event.text
             # A partial carries no word times or probabilities: its words span it, at 0.
             turn.shown = tuple(WordInfo(w, event.start, event.end, 0.0) for w in event.text.split())
-        else:
-            return []
         return self._update(now_s)
 
     def settled(self, now_s: float) -> list[TurnEvent]:
@@ -213,9 +233,17 @@ class TurnTracker:
         turn = self._turn
         if turn is None or turn.ending is None:
             return []
+        return self._end(now_s)
+
+    def _end(self, now_s: float) -> list[TurnEvent]:
+        """The decided turn's EndOfTurn; then the next turn's start, where speech began after
+        a firm end."""
+        turn = self._turn
+        assert turn is not None and turn.ending is not None
         end = self._event(TurnKind.END, now_s, trigger=turn.ending)
         self._turn = None
-        return [end]
+        next_start, self._next_start_s = self._next_start_s, None
+        return [end] if next_start is None else [end, *self._speech(next_start, now_s)]
 
     def _speech(self, start_s: float, now_s: float) -> list[TurnEvent]:
         turn = self._turn
@@ -223,6 +251,19 @@ class TurnTracker:
             self._turn = _Turn(self._next_index, start_s)
             self._next_index += 1
             return [self._event(TurnKind.START, now_s)]
+        silent_from = turn.silent_from_s
+        timeout_s = self.config.eot_timeout_ms / 1000
+        if (
+            turn.ending is not None
+            and silent_from is not None
+            and start_s - silent_from >= timeout_s
+        ):
+            turn.firm = True  # the silence alone would have ended the turn
+        turn.silent_from_s = None
+        if turn.firm:
+            if self._next_start_s is None:
+                self._next_start_s = start_s
+            return []
         return self.resumed(now_s)
 
     def _update(self, now_s: float) -> list[TurnEvent]:
