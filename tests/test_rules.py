@@ -31,7 +31,6 @@ def test_a_disabled_rule_is_off_and_the_others_on() -> None:
         ("rules.stalled_tail.min_voiced_s", -1.0),
         ("rules.unheard_tail.min_tail_s", -0.5),
         ("rules.skipped_speech.heard_more_words", 1),
-        ("rules.cut_repeat.max_words", -1),
         ("rules.bare_prompt.min_words", 0),
     ],
 )
@@ -43,11 +42,11 @@ def test_a_rules_knob_is_checked(path: str, value: object) -> None:
 def test_any_streaming_setting_is_reachable_by_its_dotted_name() -> None:
     c = with_setting(StreamingConfig(), "rules.stalled_tail.min_voiced_s", 2.5)
     assert c.rules.stalled_tail.min_voiced_s == 2.5
-    c = with_setting(c, "rules.disabled", ["sentence_cut", "cut_repeat"])
-    assert c.rules.disabled == ("sentence_cut", "cut_repeat")
+    c = with_setting(c, "rules.disabled", ["sentence_cut", "unheard_tail"])
+    assert c.rules.disabled == ("sentence_cut", "unheard_tail")
     c = with_setting(c, "commit.min_window_s", 3)
     assert c.commit.min_window_s == 3
-    with pytest.raises(ValueError, match=r"no setting 'nope' here; there are .*cut_repeat"):
+    with pytest.raises(ValueError, match=r"no setting 'nope' here; there are .*unheard_tail"):
         with_setting(c, "rules.nope", 1)
     with pytest.raises(ValueError, match="has no settings inside"):
         with_setting(c, "finals.x", 1)

@@ -47,28 +47,6 @@ def test_a_decode_without_speech_has_no_tail() -> None:
     assert tail_words(decode, silent, utterance(), RulesConfig(), RuleCounts()) == []
 
 
-def test_words_that_repeat_the_words_before_a_cut_are_dropped_at_the_cut() -> None:
-    """The window after a cut can hear the end of the last final word again."""
-    utt = utterance(window_start_s=5.0)
-    utt.before_cut = spoken(("of", 4.2, 4.4), ("the", 4.4, 4.6), ("art", 4.6, 5.1))
-    decode = job(5.0, 8.0)
-    heard = result(("the", 0.0, 0.1, (1,)), ("art", 0.1, 0.3, (2,)), ("of", 0.4, 0.6, (3,)))
-    counts = RuleCounts()
-    got = tail_words(decode, heard, utt, RulesConfig(), counts)
-    assert [x.text for x in got] == [" of"]
-    assert counts["cut_repeat"] == 1
-    off = tail_words(decode, heard, utt, RulesConfig(disabled=("cut_repeat",)), RuleCounts())
-    assert [x.text for x in off] == [" the", " art", " of"]
-
-
-def test_a_repeat_far_from_the_cut_is_kept() -> None:
-    utt = utterance(window_start_s=5.0)
-    utt.before_cut = spoken(("the", 4.4, 4.6), ("art", 4.6, 5.1))
-    heard = result(("the", 1.5, 1.7, (1,)), ("art", 1.7, 2.0, (2,)))
-    got = tail_words(job(5.0, 8.0), heard, utt, RulesConfig(), RuleCounts())
-    assert [x.text for x in got] == [" the", " art"]
-
-
 def test_words_squeezed_before_the_last_final_word_follow_it() -> None:
     utt = utterance(window_start_s=5.0)
     commit(utt, spoken(("printing", 5.0, 5.6)), carried=True)

@@ -26,7 +26,6 @@ RULES: Mapping[str, str] = {
     "supersede": "per utterance: the closing decode replaces a re-decode in flight",
     "background_search": "per utterance: beam-search the open window on a spare lane",
     # a decode's words
-    "cut_repeat": "drop the opening words that repeat the words just before a cut",
     "after_committed": "words aligned before the last final word are moved after it",
     "skipped_speech": "decode again without the carried words when speech was skipped",
     "loop_prompt_drop": "no prompt for the window after a decode that looped",
@@ -46,13 +45,6 @@ GUARDS = frozenset({"window_cap"})
 class FirstWordsConfig:
     # An utterance without words after this much audio decodes at the usual cadence.
     window_s: float = 3.0
-
-
-@dataclass(frozen=True)
-class CutRepeatConfig:
-    max_words: int = 3  # the longest repeat of the pre-cut words looked for
-    # ... among words starting within this of the window's start
-    within_s: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -90,7 +82,6 @@ class RulesConfig:
 
     disabled: tuple[str, ...] = ()
     first_words: FirstWordsConfig = field(default_factory=FirstWordsConfig)
-    cut_repeat: CutRepeatConfig = field(default_factory=CutRepeatConfig)
     skipped_speech: SkippedSpeechConfig = field(default_factory=SkippedSpeechConfig)
     unheard_tail: UnheardTailConfig = field(default_factory=UnheardTailConfig)
     stalled_tail: StalledTailConfig = field(default_factory=StalledTailConfig)
@@ -107,7 +98,6 @@ class RulesConfig:
             raise ValueError(f"{', '.join(guards)} cannot be switched off")
         checks = (
             ("first_words.window_s", self.first_words.window_s),
-            ("cut_repeat.within_s", self.cut_repeat.within_s),
             ("skipped_speech.min_voiced_s", self.skipped_speech.min_voiced_s),
             ("unheard_tail.min_tail_s", self.unheard_tail.min_tail_s),
             ("stalled_tail.min_voiced_s", self.stalled_tail.min_voiced_s),
@@ -119,11 +109,8 @@ class RulesConfig:
             raise ValueError(
                 f"rules.bare_prompt.min_words must be >= 1; got {self.bare_prompt.min_words}"
             )
-        if self.cut_repeat.max_words < 0 or self.skipped_speech.heard_more_words < 2:
-            raise ValueError(
-                "rules.cut_repeat.max_words must be >= 0 and "
-                "rules.skipped_speech.heard_more_words >= 2"
-            )
+        if self.skipped_speech.heard_more_words < 2:
+            raise ValueError("rules.skipped_speech.heard_more_words must be >= 2")
 
     def on(self, name: str) -> bool:
         """Whether rule ``name`` applies (it is not disabled)."""

@@ -182,9 +182,9 @@ class Transcript:
         utt.window_start = start
         utt.decoded_to = max(utt.decoded_to, utt.window_start)
         utt.heard_to = max(utt.heard_to, utt.window_start)
-        # The words a repeat after the cut is checked against (``tail.py``; the last of them
-        # is also where the new window's words may start at the earliest).
-        utt.before_cut = utt.committed[-max(1, self.streaming.rules.cut_repeat.max_words) :]
+        # The last word final before the cut: where the new window's words may start at the
+        # earliest (``after_committed``, ``tail.py``).
+        utt.before_cut = utt.committed[-1:]
         utt.carry(utt.committed[len(utt.committed) - cut.carry :] if cut.carry else [])
         utt.forget_decodes()
 

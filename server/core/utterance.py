@@ -57,7 +57,7 @@ class Utterance:
     tentative: list[Word] = field(default_factory=list)
     draft: tuple[int, ...] = ()  # DecodeResult.sequence of the window's last decode
     failures: int = 0
-    before_cut: list[Word] = field(default_factory=list)  # last words committed before a cut
+    before_cut: list[Word] = field(default_factory=list)  # the last word final before a cut
     # The language its words are committed in; None while a session that detects its language
     # has not decided this utterance's (its words stay partial until then).
     language: str | None = None
