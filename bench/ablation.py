@@ -19,7 +19,9 @@ Decodes are kept in a cache (``--cache``, by the window's audio and request, dra
 draft changes only the speed), so a run repeats only the decodes that a switched-off rule
 changed; a second run of the same code decodes nothing. With ``--compare FILE`` the clips whose
 events (finals and partials, with their times) differ from that earlier run are listed: the
-check that a restructure changed nothing.
+check that a restructure changed nothing. The events are kept in
+``.cache/ablation-events/NAME-events.json``, which ``--compare`` takes; bench/results keeps
+each clip's errors and text.
 
 Writes ``bench/results/ablation.json`` (``--out NAME``) and prints one table.
 """
@@ -27,6 +29,7 @@ Writes ``bench/results/ablation.json`` (``--out NAME``) and prints one table.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import hashlib
 import json
@@ -53,6 +56,7 @@ from server.protocol.messages import FinalMessage, PartialMessage
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CACHE = REPO / ".cache" / "ablation-decodes.pkl"
+EVENTS = REPO / ".cache" / "ablation-events"  # the full results, with every clip's events
 SETS = ("test_other", "test_other_long", "clean")
 MODES = ("utterance", "words")
 
@@ -198,6 +202,19 @@ def differing(run: dict[str, Any], other: dict[str, Any]) -> list[str]:
     ]
 
 
+def _save(name: str, data: dict[str, Any]) -> Path:
+    """The results: with every clip's events in ``.cache/`` (``--compare`` reads them; a
+    few MB a run), without them in bench/results (each clip's errors and text stay)."""
+    EVENTS.mkdir(parents=True, exist_ok=True)
+    (EVENTS / f"{name}-events.json").write_text(json.dumps(data) + "\n")
+    slim = copy.deepcopy(data)
+    for by in slim["runs"].values():
+        for run in by.values():
+            for clip in run["clips"].values():
+                clip.pop("fingerprint", None)
+    return write_results(name, slim)
+
+
 def _summary(
     runs: dict[str, dict[str, dict[str, Any]]],
     cache: DecodeCache,
@@ -223,6 +240,11 @@ def _summary(
     }
     if compare is not None:
         earlier = json.loads(compare.read_text())["runs"]["baseline"]
+        if any("fingerprint" not in c for run in earlier.values() for c in run["clips"].values()):
+            raise SystemExit(
+                f"{compare} holds no clip events: compare with the run's events file, "
+                f".cache/ablation-events/NAME-events.json"
+            )
         data["compare"] = {
             label: differing(run, earlier[label])
             for label, run in runs.get("baseline", {}).items()
@@ -279,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                 run = run_set(engine, cache, clips_of(set_name), streaming, cost_scale=scale)
                 runs.setdefault(name, {})[label] = run
                 cache.save()
-                write_results(args.out, _summary(runs, cache, load_start, started, None))
+                _save(args.out, _summary(runs, cache, load_start, started, None))
                 base = runs["baseline"].get(label)
                 moved = len(differing(run, base)) if base is not None and name != "baseline" else 0
                 print(
@@ -290,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"  decodes {cache.misses} new, {cache.hits} cached",
                     flush=True,
                 )
-    path = write_results(args.out, _summary(runs, cache, load_start, started, args.compare))
+    path = _save(args.out, _summary(runs, cache, load_start, started, args.compare))
     print(f"wrote {path}")
     print(
         json.dumps({n: {label: r["errors"] for label, r in by.items()} for n, by in runs.items()})
