@@ -182,7 +182,7 @@ def test_a_recording_sent_all_at_once_loses_no_window(
     a cut behind the carried prefix when nothing new was committed, and a cut past a window
     whose decode ended at the prefix. Measured when chosen: 4.6% WER against offline greedy in
     either mode (LJ long, 222 s, took 69 s of CPU for both modes and its offline decode
-    against 19 s here, whose offline text the long-recording test shares)."""
+    against 19 s here; the two modes share the offline text)."""
     name = "librispeech_test-other/long/3331-159605.concat.wav"
     audio = load_clip(speech_dir / name)
     streaming = StreamingConfig(finals=finals)
