@@ -67,10 +67,13 @@ def test_a_section_takes_its_share_of_what_is_left_and_a_late_one_none() -> None
 
 
 @pytest.mark.heavy
-def test_turbo_shaped_at_cut_depth_is_built_loaded_and_reported_without_accuracy() -> None:
+def test_turbo_shaped_at_cut_depth_is_built_loaded_and_reported_without_accuracy(
+    speech_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Large-v3-turbo's widths, mel bands and vocabulary at one layer each side, built and
     loaded; a spent budget skips every measurement and says so. (tests/test_model.py decodes
-    and streams turbo-shaped checkpoints.)"""
+    and streams turbo-shaped checkpoints.) The measurements read their speech up front."""
+    monkeypatch.setenv("WHISPERWIRE_SPEECH_DIR", str(speech_dir))
     run = ModelRun(repeats=1, batches=(1,), turbo_layers=(1, 1))
     out: dict[str, Any] = {}
     engine = load_engine(TURBO, "float32", run, out)
