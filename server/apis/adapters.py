@@ -75,6 +75,23 @@ class Adapter(Protocol):
         ...
 
 
+class PlainErrors:
+    """``Adapter.error_message`` for the APIs whose ``render`` gives v1's error their own
+    shape: the error as v1 has it."""
+
+    def error_message(
+        self,
+        code: str,
+        message: str,
+        *,
+        fatal: bool,
+        audio_received_s: float,
+        cause: StreamError | None = None,
+    ) -> ErrorMessage:
+        """v1's error; ``render`` gives it this API's shape."""
+        return ErrorMessage(code, message, fatal, audio_received_s)
+
+
 @dataclass(frozen=True)
 class StreamApi:
     """One streaming API as the server serves it: its registry entry (``server.apis.registry``)."""

@@ -29,14 +29,14 @@ from typing import Any
 
 from websockets.http11 import Request
 
-from server.apis.adapters import SessionSettings, StreamApi
+from server.apis.adapters import PlainErrors, SessionSettings, StreamApi
 from server.apis.deepgram_live import ListenQuery
 from server.apis.turn_options import TURN_OPTIONS, query_numbers, turn_config
 from server.config import StreamingConfig
 from server.core.session import Session, TurnConfig
 from server.core.turns import TurnEvent
 from server.decode.stream_driver import AdapterEvent, Outgoing, StreamDriver
-from server.protocol.errors import ProtocolError, StreamError
+from server.protocol.errors import ProtocolError
 from server.protocol.formats import MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, AudioFormat
 from server.protocol.messages import ErrorMessage, ReadyMessage
 
@@ -101,7 +101,7 @@ class _Reply(AdapterEvent):
     body: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-class FluxAdapter:
+class FluxAdapter(PlainErrors):
     """Deepgram Flux on a ``Session`` with turns."""
 
     def __init__(self) -> None:
@@ -255,19 +255,6 @@ class FluxAdapter:
         body = {**body, "sequence_id": self._sequence}
         self._sequence += 1
         return json.dumps(body, ensure_ascii=False)
-
-    # -- errors ----------------------------------------------------------------------------
-    def error_message(
-        self,
-        code: str,
-        message: str,
-        *,
-        fatal: bool,
-        audio_received_s: float,
-        cause: StreamError | None = None,
-    ) -> ErrorMessage:
-        """v1's error; ``render`` gives it Flux's shape."""
-        return ErrorMessage(code, message, fatal, audio_received_s)
 
 
 API = StreamApi(

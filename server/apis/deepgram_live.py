@@ -44,11 +44,11 @@ from urllib.parse import parse_qs, urlsplit
 
 from websockets.http11 import Request
 
-from server.apis.adapters import SessionSettings, StreamApi
+from server.apis.adapters import PlainErrors, SessionSettings, StreamApi
 from server.config import StreamingConfig
 from server.core.session import Session, Settled, nearest_end_of_speech_ms
 from server.decode.stream_driver import AdapterEvent, Outgoing, StreamDriver
-from server.protocol.errors import ProtocolError, StreamError
+from server.protocol.errors import ProtocolError
 from server.protocol.formats import MAX_SAMPLE_RATE_HZ, MIN_SAMPLE_RATE_HZ, AudioFormat
 from server.protocol.messages import (
     DoneMessage,
@@ -242,7 +242,7 @@ class _UtteranceEnd(AdapterEvent):
     end: float = 0.0
 
 
-class DeepgramAdapter:
+class DeepgramAdapter(PlainErrors):
     """Deepgram live transcription on a ``Session``."""
 
     def __init__(self) -> None:
@@ -526,19 +526,6 @@ class DeepgramAdapter:
 
     def _model_uuid(self) -> str:
         return model_uuid(self._model_info()["name"])
-
-    # -- errors ----------------------------------------------------------------------------
-    def error_message(
-        self,
-        code: str,
-        message: str,
-        *,
-        fatal: bool,
-        audio_received_s: float,
-        cause: StreamError | None = None,
-    ) -> ErrorMessage:
-        """v1's error; ``render`` gives it Deepgram's shape."""
-        return ErrorMessage(code, message, fatal, audio_received_s)
 
 
 API = StreamApi(

@@ -17,18 +17,17 @@ from urllib.parse import parse_qs, urlsplit
 
 from websockets.http11 import Request
 
-from server.apis.adapters import SessionSettings, StreamApi
+from server.apis.adapters import PlainErrors, SessionSettings, StreamApi
 from server.apis.turn_options import TURN_OPTIONS, query_numbers, turn_config
 from server.core.session import Session, Settled, StreamSettings
 from server.core.turns import TurnConfig, TurnEvent, TurnKind
 from server.decode.stream_driver import AdapterEvent, Outgoing, StreamDriver
-from server.protocol.errors import ProtocolError, StreamError
+from server.protocol.errors import ProtocolError
 from server.protocol.formats import AudioFormat
 from server.protocol.messages import (
     AUTO_LANGUAGE,
     ConfigMessage,
     EndMessage,
-    ErrorMessage,
     FlushMessage,
     TurnMessage,
     parse_client_message,
@@ -149,7 +148,7 @@ def turn_message(event: TurnEvent) -> TurnMessage | None:
     )
 
 
-class V1Adapter:
+class V1Adapter(PlainErrors):
     """Protocol v1: the session's own messages, as they are."""
 
     def __init__(self) -> None:
@@ -222,18 +221,6 @@ class V1Adapter:
         if isinstance(message, (Settled, AdapterEvent)):
             return []
         return [message.to_json()]
-
-    def error_message(
-        self,
-        code: str,
-        message: str,
-        *,
-        fatal: bool,
-        audio_received_s: float,
-        cause: StreamError | None = None,
-    ) -> ErrorMessage:
-        """v1's ``error``."""
-        return ErrorMessage(code, message, fatal, audio_received_s)
 
 
 API = StreamApi(path=STREAM_PATH, auth_schemes=("bearer",), adapter=V1Adapter)
