@@ -107,12 +107,6 @@ class StreamingConfig:
     # splitting a word into likelier pieces and adding a word past the end of the audio, so
     # a beam search there made more errors than greedy decoding on hard speech.
     closing_beam_size: int = 1
-    # Start the closing decode once the silence after speech covers the trailing pad
-    # (``speech_pad_ms``), before the endpoint (``speech_end_silence_ms``): when the endpoint
-    # comes, its final is ready or on its way; when speech goes on, the result counts as an
-    # ordinary re-decode. The audio, prefix and prompt are what the closing decode after the
-    # endpoint would get, so the final is the same.
-    speculative_closing: bool = True
     # A v1 stream's finals unless it chooses. "utterance": an utterance's words become final
     # together when it ends, from a beam search over the whole utterance, while partials come
     # as fast as ever. "words": each word becomes final once decodes agree on it with
@@ -140,12 +134,6 @@ class StreamingConfig:
     # keeps them within 2 s at the same accuracy. Not the default within the estimate: there
     # a shorter one read no better (fewer errors on one set of recordings, more on another).
     utterance_busy_settled_context_s: float = 0.8
-    # In "utterance" finals, a commit cuts the window after the last sentence end in it (or
-    # clause end, past ``clause_cut_s``), not only when its last word ends one: the
-    # word-by-word decodes past half the window then hear seconds, not 15-30 s (a long
-    # window's decode is dear on a CPU, most of it the encoder). With several streams their
-    # finals come sooner at the same accuracy; a stream alone reads about as well.
-    utterance_cut_inside_commit: bool = True
     # In "utterance" finals, a stream with a decode lane to spare (fewer streams than lanes)
     # beam-searches its open window in the background once the utterance holds this much
     # audio, and again after each ``utterance_search_step_s`` of new audio. The words that two

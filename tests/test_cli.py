@@ -12,7 +12,7 @@ import pytest
 
 from server.config import StreamingConfig
 from server.core.policy import CommitConfig
-from server.serve.cli import build_parser, main, pipeline_config
+from server.serve.cli import build_parser, main, pipeline_config, switched_off_rules
 
 
 def test_decode_lanes_default_to_auto_and_take_a_count() -> None:
@@ -118,17 +118,20 @@ def test_drain_s_defaults_to_the_config_and_is_checked(capsys: pytest.CaptureFix
 
 def test_the_speculative_closing_decode_is_on_unless_turned_off() -> None:
     parser = build_parser()
-    assert parser.parse_args([]).speculative_closing is StreamingConfig().speculative_closing
-    assert parser.parse_args(["--no-speculative-closing"]).speculative_closing is False
+    assert parser.parse_args([]).speculative_closing is True
+    assert StreamingConfig().rules.on("speculative_closing")
+    off = parser.parse_args(["--no-speculative-closing"])
+    assert off.speculative_closing is False
+    assert switched_off_rules(off) == ("speculative_closing",)
 
 
 def test_the_cut_inside_a_long_utterances_finals_is_on_unless_turned_off() -> None:
     parser = build_parser()
-    default = StreamingConfig().utterance_cut_inside_commit
-    assert parser.parse_args([]).utterance_cut_inside_commit is default
-    assert (
-        parser.parse_args(["--no-utterance-cut-inside-commit"]).utterance_cut_inside_commit is False
-    )
+    assert parser.parse_args([]).utterance_cut_inside_commit is True
+    assert switched_off_rules(parser.parse_args([])) == ()
+    off = parser.parse_args(["--no-utterance-cut-inside-commit", "--no-speculative-closing"])
+    assert off.utterance_cut_inside_commit is False
+    assert switched_off_rules(off) == ("speculative_closing", "cut_inside_commit")
 
 
 def test_finals_default_per_utterance_for_v1_and_word_by_word_for_voice_agents() -> None:

@@ -32,6 +32,7 @@ from bench.http_probe import http_get, metric_value
 from bench.phone_line import PHONE_RATE_HZ, phone_line
 from server.apis.openai_realtime import DEFAULT_RATE_HZ, REALTIME_PATH, handshake_problem
 from server.config import PipelineConfig, ServerConfig, StreamingConfig
+from server.core.rules import RulesConfig
 from server.core.session import END_OF_SPEECH_MS_RANGE
 from server.protocol.audio import pcm_s16le_bytes
 from server.protocol.formats import SAMPLE_RATE_HZ
@@ -436,7 +437,7 @@ async def test_speech_stopped_comes_at_the_endpoint_and_completed_with_the_final
             lambda: timed,
             server=config,
             pipeline=PipelineConfig(batch_wait_ms=5.0),
-            streaming=StreamingConfig(speculative_closing=False),
+            streaming=StreamingConfig(rules=RulesConfig(disabled=("speculative_closing",))),
         ) as server,
         connect(realtime_url(server)) as ws,
     ):

@@ -70,7 +70,7 @@ def test_the_closing_decode_starts_in_the_pause_once_the_silence_covers_the_pad(
     assert p.speculative_end(utt, pause, open_utterances=2, crowded=False) is None
     utt.speculated_to = pause  # guessed there already
     assert p.speculative_end(utt, pause, open_utterances=1, crowded=False) is None
-    off = planner(speculative_closing=False)
+    off = planner(rules=RulesConfig(disabled=("speculative_closing",)))
     assert off.speculative_end(utterance(), pause, open_utterances=1, crowded=False) is None
     ruled_off = planner(rules=RulesConfig(disabled=("speculative_closing",)))
     assert ruled_off.speculative_end(utterance(), pause, open_utterances=1, crowded=False) is None

@@ -31,6 +31,7 @@ from server.config import UTTERANCE_WINDOW_S, StreamingConfig, VadConfig
 from server.core.agreement import normalize_word
 from server.core.engine_api import DecodeOptions, DecodeResult, Window, WordTiming
 from server.core.planner import Load
+from server.core.rules import RulesConfig
 from server.core.session import (
     MAX_DECODE_FAILURES,
     DecodeJob,
@@ -1140,9 +1141,10 @@ def test_a_long_utterances_first_commit_cuts_the_window_after_its_last_sentence_
     """Per utterance, the first commit past half the window holds 15 s of words: the window
     is cut after the last sentence end among them, the words after it carried as the forced
     prefix, so the word-by-word decodes after it hear seconds, not the whole utterance. No
-    word is lost or sent twice. (``utterance_cut_inside_commit`` off: only a commit whose
+    word is lost or sent twice. (``cut_inside_commit`` off: only a commit whose
     last word ends a sentence cuts.)"""
-    session = Session("long", streaming=StreamingConfig(utterance_cut_inside_commit=inside))
+    rules = RulesConfig(disabled=() if inside else ("cut_inside_commit",))
+    session = Session("long", streaming=StreamingConfig(rules=rules))
     session.configure(StreamSettings(finals="utterance"))
     clip = load_clip(speech_dir / LONG_SPEECH_CLIP)[: 40 * SAMPLE_RATE_HZ]
     log = _drive_logging_jobs(session, SentencesEngine(), _frames_of(clip, chunk_s=0.1))
@@ -1980,7 +1982,9 @@ def _with_and_without_guess(
         Session("spec"), ScriptedEngine(), frames, min_hop_s=min_hop_s, crowded=crowded
     )
     off = _drive_logging_jobs(
-        Session("off", streaming=StreamingConfig(speculative_closing=False)),
+        Session(
+            "off", streaming=StreamingConfig(rules=RulesConfig(disabled=("speculative_closing",)))
+        ),
         ScriptedEngine(),
         frames,
         min_hop_s=min_hop_s,

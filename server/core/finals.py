@@ -76,8 +76,11 @@ class UtteranceFinals(WordFinals):
 
     @property
     def cuts_inside_commit(self) -> bool:
-        c = self.streaming
-        return c.utterance_cut_inside_commit and c.rules.on("cut_inside_commit")
+        """A commit cuts the window after the last sentence end in it (or clause end, past
+        ``clause_cut_s``), not only when its last word ends one: the word-by-word decodes
+        past half the window then hear seconds, not 15-30 s (a long window's decode is dear
+        on a CPU, most of it the encoder)."""
+        return self.streaming.rules.on("cut_inside_commit")
 
 
 def finals_for(streaming: StreamingConfig) -> WordFinals:

@@ -31,7 +31,7 @@ class DecodeJob:
     # (``PipelineConfig.urgent_head_start_ms``).
     urgent: bool = False
     # A closing decode started when the silence after speech had covered the trailing pad,
-    # before the endpoint (``StreamingConfig.speculative_closing``): it closes the utterance
+    # before the endpoint (the ``speculative_closing`` rule): it closes the utterance
     # if the endpoint comes where it ended, and is an ordinary re-decode if speech goes on.
     speculative: bool = False
     # Created (or brought up to date) while more streams were open than the server's

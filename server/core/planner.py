@@ -111,8 +111,11 @@ class DecodePlanner:
 
     @property
     def speculative_on(self) -> bool:
-        c = self.streaming
-        return c.speculative_closing and c.rules.on("speculative_closing")
+        """Start the closing decode once the silence after speech covers the trailing pad,
+        before the endpoint: when the endpoint comes, its final is ready or on its way; when
+        speech goes on, the result counts as an ordinary re-decode. The audio, prefix and
+        prompt are what the closing decode after the endpoint would get: the same final."""
+        return self.streaming.rules.on("speculative_closing")
 
     @property
     def supersedes(self) -> bool:

@@ -51,6 +51,7 @@ from server.config import (
     with_setting,
 )
 from server.core.policy import CommitConfig
+from server.core.rules import RulesConfig
 from server.core.speakers import SpeakerConfig
 from server.engine.store import DEFAULT_MODEL, available_models
 from server.protocol.errors import ModelError
@@ -218,14 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     streaming.add_argument(
         "--utterance-cut-inside-commit",
         action=argparse.BooleanOptionalAction,
-        default=StreamingConfig().utterance_cut_inside_commit,
+        default=True,
         help="with 'utterance' finals, cut a long utterance's window after the last sentence "
         "end its finals hold (default: %(default)s)",
     )
     streaming.add_argument(
         "--speculative-closing",
         action=argparse.BooleanOptionalAction,
-        default=StreamingConfig().speculative_closing,
+        default=True,
         help="start an utterance's closing decode in the pause, before the endpoint "
         "(default: %(default)s)",
     )
@@ -417,6 +418,15 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
         uvloop.run(coro)
 
 
+def switched_off_rules(args: argparse.Namespace) -> tuple[str, ...]:
+    """The rules that flags of their own switch off (any rule: ``--set rules.disabled=``)."""
+    flags = (
+        ("speculative_closing", args.speculative_closing),
+        ("cut_inside_commit", args.utterance_cut_inside_commit),
+    )
+    return tuple(rule for rule, on in flags if not on)
+
+
 def pipeline_config(args: argparse.Namespace) -> PipelineConfig:
     """The decode stage's settings from the parsed flags (ValueError where they are bad).
     Without ``--comfort-utilization``, a lower ``--admission-utilization`` lowers it too."""
@@ -458,13 +468,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         streaming = StreamingConfig(
             closing_beam_size=args.closing_beam_size,
-            speculative_closing=args.speculative_closing,
             finals=args.finals,
             agent_finals=args.agent_finals,
             utterance_search_s=args.utterance_search_s,
             utterance_beam_size=args.utterance_beam_size,
             utterance_settled_context_s=args.utterance_settled_context_s,
-            utterance_cut_inside_commit=args.utterance_cut_inside_commit,
+            rules=RulesConfig(disabled=switched_off_rules(args)),
             commit=CommitConfig(min_right_context_s=args.min_right_context_s),
             speakers=SpeakerConfig(enabled=args.speakers),
         )
