@@ -7,9 +7,7 @@ import dataclasses
 from server.config import StreamingConfig
 from server.core.cuts import (
     cut_point,
-    hears_more,
     sentence_cut,
-    skipped_speech_s,
     stalled_tail_cut,
     unheard_tail_cut,
 )
@@ -110,32 +108,3 @@ def test_a_redecode_stalled_at_the_final_words_cuts_only_with_speech_after_them(
         stalled_tail_cut(utt, stalled, spoken(("that", 2.0, 2.4)), voiced_everywhere, CONFIG)
         is None
     )
-
-
-def test_speech_skipped_after_the_carried_words_is_measured_in_voiced_seconds() -> None:
-    utt = utterance(heard_to_s=5.0)
-    commit(utt, spoken(("picture", 0.0, 0.5), ("which", 0.5, 0.8)), carried=True)
-    decode = job(0.0, 5.0, prefix=tuple(utt.committed_tokens))
-    late = spoken(("never", 2.5, 2.9))
-    assert skipped_speech_s(utt, decode, late, voiced_everywhere, CONFIG) == 1.7
-    assert skipped_speech_s(utt, decode, late, voiced_nowhere, CONFIG) is None
-    soon = spoken(("it", 0.9, 1.1))
-    assert skipped_speech_s(utt, decode, soon, voiced_everywhere, CONFIG) is None
-
-
-def test_no_skipped_speech_once_words_of_the_window_were_final() -> None:
-    utt = utterance(heard_to_s=5.0)
-    commit(utt, spoken(("picture", 0.0, 0.5)), carried=True)
-    commit(utt, spoken(("which", 0.5, 0.8)))
-    decode = job(0.0, 5.0, prefix=tuple(utt.committed_tokens))
-    late = spoken(("never", 2.5, 2.9))
-    assert skipped_speech_s(utt, decode, late, voiced_everywhere, CONFIG) is None
-
-
-def test_a_decode_without_the_carried_words_heard_more_when_their_next_word_comes_later() -> None:
-    forced = spoken(("never", 2.5, 2.9))
-    unforced = spoken(("it", 0.9, 1.1), ("came", 1.2, 1.5), ("never", 2.5, 2.9))
-    assert hears_more(unforced, forced, heard_more_words=10)
-    assert not hears_more(spoken(("never", 2.5, 2.9)), forced, heard_more_words=10)
-    assert not hears_more(unforced, forced, heard_more_words=2)
-    assert hears_more(unforced, [], heard_more_words=10)

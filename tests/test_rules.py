@@ -30,7 +30,6 @@ def test_a_disabled_rule_is_off_and_the_others_on() -> None:
     [
         ("rules.stalled_tail.min_voiced_s", -1.0),
         ("rules.unheard_tail.min_tail_s", -0.5),
-        ("rules.skipped_speech.heard_more_words", 1),
         ("rules.bare_prompt.min_words", 0),
     ],
 )

@@ -17,9 +17,6 @@ The rules (``rules.py``):
 - ``stalled_tail``: Whisper can stop at a forced prefix again and again as the window grows;
   after a re-decode that ended at the final words with seconds of speech after them, the next
   decode hears a window of its own after them.
-- ``skipped_speech`` (a check, not a cut): a decode that went on from the carried words after
-  more voiced audio than a word takes skipped speech, because the carried words' times were
-  estimated late; the window is decoded again without them.
 
 Cutting in the pauses the VAD heard was measured and dropped (bench/README.md): Whisper needs
 the context.
@@ -134,29 +131,3 @@ def stalled_tail_cut(
         return None
     at, carry = cut_point(utt, min(utt.heard_to, job.end_sample), c.cut_carry_words)
     return Cut(at, carry, "stalled_tail") if at > utt.window_start else None
-
-
-def skipped_speech_s(
-    utt: Utterance, job: DecodeJob, tail: list[Word], voiced_s: VoicedS, c: StreamingConfig
-) -> float | None:
-    """Rule ``skipped_speech``: the voiced seconds a decode that continued the words a cut
-    carried skipped before its first new word, when that is ``min_voiced_s`` or more (and no
-    word of this window was final after the carried ones); else None."""
-    if not (job.request.prefix and tail and utt.committed):
-        return None
-    if len(utt.committed_tokens) != utt.prompted_tokens:
-        return None
-    carried_end = round(utt.committed[-1].end_s * SAMPLE_RATE_HZ)
-    skipped = voiced_s(carried_end, round(tail[0].start_s * SAMPLE_RATE_HZ))
-    return skipped if skipped >= c.rules.skipped_speech.min_voiced_s else None
-
-
-def hears_more(unforced: list[Word], forced: list[Word], heard_more_words: int) -> bool:
-    """Whether a decode without the carried prefix heard words before the first one the
-    decode with it went on with: that word comes in its opening words, after others.
-    (Timing alone cannot tell: the carried words' end is an estimate from the window before
-    the cut, and it can be early by a second with nothing skipped.)"""
-    if not forced:
-        return bool(unforced)
-    first = normalize_word(forced[0].text)
-    return first in [normalize_word(w.text) for w in unforced[1:heard_more_words]]

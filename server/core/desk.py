@@ -156,7 +156,6 @@ class DecodeDesk:
         if (
             (job.closing and not job.speculative)
             or utt.language is None
-            or utt.unforced_retry is not None
             or utt.speculation is not None
         ):
             return None

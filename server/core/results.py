@@ -2,9 +2,8 @@
 the window is cut next.
 
 In order: a speculative closing decode that speech overtook counts as an ordinary re-decode
-(or is held while the pause goes on); an undecided utterance decides its language; the rule
-``skipped_speech`` may decode the window again without its carried words; the commit policy
-makes final what decodes agree on, and the finals strategy says whether it goes out now; the
+(or is held while the pause goes on); an undecided utterance decides its language; the commit
+policy makes final what decodes agree on, and the finals strategy says whether it goes out now; the
 rest is shown as a partial; then a closing decode finishes the utterance (or the rule
 ``unheard_tail`` cuts before the rest), and a re-decode may cut the window (``stalled_tail``,
 ``sentence_cut``).
@@ -17,9 +16,7 @@ import dataclasses
 from server.config import StreamingConfig
 from server.core.agreement import Word
 from server.core.cuts import (
-    hears_more,
     sentence_cut,
-    skipped_speech_s,
     stalled_tail_cut,
     unheard_tail_cut,
 )
@@ -27,7 +24,7 @@ from server.core.engine_api import DecodeResult, StopReason
 from server.core.finals import WordFinals, finals_for
 from server.core.jobs import DecodeJob
 from server.core.planner import DecodePlanner
-from server.core.utterance import UnforcedRetry, Utterance
+from server.core.utterance import Utterance
 from server.core.windows import Windows
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.protocol.messages import ErrorMessage
@@ -63,10 +60,7 @@ class ResultFolder:
         utt.heard_to = max(utt.heard_to, job.end_sample)
         if utt.language is None and not windows.settle_language(utt, job, result):
             return
-        chosen = self._check_skipped_speech(utt, job, result, windows.tail_words(job, result))
-        if chosen is None:
-            return
-        job, result, tail = chosen
+        tail = windows.tail_words(job, result)
         windows.text.decoded(
             looped=result.stop_reason in (StopReason.REPETITION, StopReason.COMPRESSION)
         )
@@ -133,38 +127,6 @@ class ResultFolder:
             cut = sentence_cut(utt, self.streaming, inside_commit=self.finals.cuts_inside_commit)
         if cut is not None:
             self.windows.cut(utt, cut)
-
-    def _check_skipped_speech(
-        self, utt: Utterance, job: DecodeJob, result: DecodeResult, tail: list[Word]
-    ) -> tuple[DecodeJob, DecodeResult, list[Word]] | None:
-        """Rule ``skipped_speech``: the decode to fold in, or None while the window is
-        decoded again without the carried words (the decode with them is held meanwhile)."""
-        retry = utt.unforced_retry
-        if retry is not None:
-            utt.unforced_retry = None
-            heard_more = self.streaming.rules.skipped_speech.heard_more_words
-            if not hears_more(tail, retry.tail, heard_more):
-                # Whisper without the prefix can start a long window sentences in: the
-                # decode with the prefix was the better one after all.
-                self.log.info("the decode with the carried words kept: nothing more without")
-                utt.carry(retry.carried)
-                return retry.job, retry.result, retry.tail
-            return job, result, tail
-        if not self.streaming.rules.on("skipped_speech"):
-            return job, result, tail
-        voiced_s = self.windows.audio.vad.voiced_s
-        skipped = skipped_speech_s(utt, job, tail, voiced_s, self.streaming)
-        if skipped is None:
-            return job, result, tail
-        self.log.info(
-            "%.1f s of speech before %r skipped after the carried words: decoded without them",
-            skipped,
-            tail[0].text,
-        )
-        self.counts.fired("skipped_speech")
-        utt.unforced_retry = UnforcedRetry(job, result, tail, list(utt.committed))
-        utt.drop_carried_prefix()
-        return None
 
     def fail(self, job: DecodeJob, error: Exception) -> None:
         """``job`` (the job in flight, just taken) failed: tell the client; the window is

@@ -27,7 +27,6 @@ RULES: Mapping[str, str] = {
     "background_search": "per utterance: beam-search the open window on a spare lane",
     # a decode's words
     "after_committed": "words aligned before the last final word are moved after it",
-    "skipped_speech": "decode again without the carried words when speech was skipped",
     "loop_prompt_drop": "no prompt for the window after a decode that looped",
     "bare_prompt_drop": "no prompt while its last words hold no punctuation mark",
     # where windows are cut
@@ -45,16 +44,6 @@ GUARDS = frozenset({"window_cap"})
 class FirstWordsConfig:
     # An utterance without words after this much audio decodes at the usual cadence.
     window_s: float = 3.0
-
-
-@dataclass(frozen=True)
-class SkippedSpeechConfig:
-    # Voiced audio between the carried words and the first word after them that means the
-    # decoder skipped speech.
-    min_voiced_s: float = 0.8
-    # How far into the decode without the carried words that first word is looked for: found
-    # after others, that decode heard more.
-    heard_more_words: int = 10
 
 
 @dataclass(frozen=True)
@@ -82,7 +71,6 @@ class RulesConfig:
 
     disabled: tuple[str, ...] = ()
     first_words: FirstWordsConfig = field(default_factory=FirstWordsConfig)
-    skipped_speech: SkippedSpeechConfig = field(default_factory=SkippedSpeechConfig)
     unheard_tail: UnheardTailConfig = field(default_factory=UnheardTailConfig)
     stalled_tail: StalledTailConfig = field(default_factory=StalledTailConfig)
     bare_prompt: BarePromptConfig = field(default_factory=BarePromptConfig)
@@ -98,7 +86,6 @@ class RulesConfig:
             raise ValueError(f"{', '.join(guards)} cannot be switched off")
         checks = (
             ("first_words.window_s", self.first_words.window_s),
-            ("skipped_speech.min_voiced_s", self.skipped_speech.min_voiced_s),
             ("unheard_tail.min_tail_s", self.unheard_tail.min_tail_s),
             ("stalled_tail.min_voiced_s", self.stalled_tail.min_voiced_s),
         )
@@ -109,8 +96,6 @@ class RulesConfig:
             raise ValueError(
                 f"rules.bare_prompt.min_words must be >= 1; got {self.bare_prompt.min_words}"
             )
-        if self.skipped_speech.heard_more_words < 2:
-            raise ValueError("rules.skipped_speech.heard_more_words must be >= 2")
 
     def on(self, name: str) -> bool:
         """Whether rule ``name`` applies (it is not disabled)."""

@@ -33,7 +33,6 @@ def search_due(
         utt.end is not None
         or utt.language is None
         or utt.speculation is not None
-        or utt.unforced_retry is not None
         # silence after speech: the speculative closing decode is due, not this
         or tentative_end is not None
         or buffer_end - utt.start < c.utterance_search_s * SAMPLE_RATE_HZ
@@ -65,12 +64,7 @@ def holdable(utt: Utterance, agreed: SearchedWords, carry_words: int) -> bool:
     """Whether the agreed words may be held now: the window is still the one they heard, and
     they are more than a cut would carry anyway."""
     spoken = [w for w in agreed.words if normalize_word(w.text)]
-    return (
-        agreed.basis == utt.basis
-        and utt.speculation is None
-        and utt.unforced_retry is None
-        and len(spoken) > carry_words
-    )
+    return agreed.basis == utt.basis and utt.speculation is None and len(spoken) > carry_words
 
 
 def held_cut_point(utt: Utterance, c: StreamingConfig) -> tuple[int, int]:

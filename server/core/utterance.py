@@ -27,17 +27,6 @@ class SearchedWords:
     words: list[Word]
 
 
-@dataclass(frozen=True)
-class UnforcedRetry:
-    """A decode that went on from the carried words past speech it did not transcribe, held
-    while the window is decoded again without them (rule ``skipped_speech``)."""
-
-    job: DecodeJob
-    result: DecodeResult
-    tail: list[Word]  # its words after the carried ones
-    carried: list[Word]
-
-
 @dataclass
 class Utterance:
     """One stretch of speech, in stream samples."""
@@ -71,7 +60,6 @@ class Utterance:
     cut_in_speech: bool = False
     # Final words not sent yet: per utterance, they go out with the rest of the utterance.
     unsent: list[Word] = field(default_factory=list)
-    unforced_retry: UnforcedRetry | None = None
     # Background beam searches of the open window (``searches.py``):
     searched_to: int = 0  # end sample of the last one asked for
     search_words: SearchedWords | None = None  # the settled words of the last one back
