@@ -709,17 +709,12 @@ class SlotDecoder:
     ``k * WORD_S`` of the stream (a word heard in two windows is the same word). Like Whisper,
     it forces the prefix onto the window's first words and goes on after them.
 
-    ``late_s``: every word is placed that late, so a cut at a word's estimated start lands
-    after it and the prefix swallows the words there. ``first_new_late_s``: only the first
-    word after a prefix is placed that late (nothing was skipped; the timing says so).
-    ``unforced_skips``: a window that starts at a cut, decoded without a prefix, begins that
-    many words in (Whisper starting a long window sentences in). ``stalls_at_prefix_tokens``:
-    a re-decode forced to that many tokens or more ends its text after them (Whisper
-    stopping at a forced prefix although speech follows)."""
+    ``first_new_late_s``: only the first word after a prefix is placed that late (nothing was
+    skipped; the timing says so). ``stalls_at_prefix_tokens``: a re-decode forced to that many
+    tokens or more ends its text after them (Whisper stopping at a forced prefix although
+    speech follows)."""
 
-    late_s: float = 0.0
     first_new_late_s: float = 0.0
-    unforced_skips: int = 0
     stalls_at_prefix_tokens: int = 0
 
     def __call__(self, job: DecodeJob) -> DecodeResult:
@@ -728,15 +723,11 @@ class SlotDecoder:
         last = math.floor((job.start_s + job.audio_s - 0.4) / word_s + 1e-6)
         heard = list(range(first, last + 1))
         forced = [t - 1000 for t in job.request.prefix]
-        at_cut = job.start_s > 0 and abs(job.start_s / word_s - first) < 1e-6
-        if at_cut and not forced:
-            heard = heard[self.unforced_skips :]
         slots = forced + heard[len(forced) :]
         if 0 < self.stalls_at_prefix_tokens <= len(forced) and not job.closing:
             slots = forced
         late = [
-            self.late_s + (self.first_new_late_s if forced and n == len(forced) else 0.0)
-            for n in range(len(slots))
+            self.first_new_late_s if forced and n == len(forced) else 0.0 for n in range(len(slots))
         ]
         words = tuple(
             WordTiming(
@@ -757,24 +748,19 @@ class SlotDecoder:
 
 
 @pytest.mark.parametrize(
-    ("decoder", "retried"),
-    [
-        (SlotDecoder(), False),
-        (SlotDecoder(late_s=1.0), True),
-        (SlotDecoder(first_new_late_s=1.5, unforced_skips=6), True),
-    ],
-    ids=["placed right", "placed late", "timed late, nothing skipped"],
+    "decoder",
+    [SlotDecoder(), SlotDecoder(first_new_late_s=1.5)],
+    ids=["placed right", "first new word timed late"],
 )
-def test_speech_skipped_after_the_carried_words_is_decoded_again_without_them(
-    speech_dir: Path, decoder: SlotDecoder, retried: bool
+def test_the_words_a_cut_carries_are_heard_once_and_the_words_after_them_all(
+    speech_dir: Path, decoder: SlotDecoder
 ) -> None:
-    """A cut carries its last committed words into the next window as the forced prefix. When
-    their times were estimated late, the window starts after them: the prefix takes up the
-    window's first words and the decoder goes on past them. That window is decoded again
-    without the prefix, and the decode that heard more is kept (without the prefix, Whisper
-    can start a long window sentences in): every word comes out once, none is skipped."""
+    """A cut carries its last committed words into the next window as the forced prefix; the
+    decoder goes on after them. Every word comes out once and none is skipped, also when the
+    first word after the prefix is timed late (a gap in the times, not in the speech): the
+    window keeps its prefix and is not decoded again without it."""
     config = StreamingConfig(finals="words", max_window_s=4.0, clause_cut_s=4.0)
-    session = Session("skips", streaming=config)
+    session = Session("carries", streaming=config)
     clip = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
     pcm = pcm_s16le_bytes(clip[: 20 * SAMPLE_RATE_HZ])
     finals: list[FinalMessage] = []
@@ -786,14 +772,12 @@ def test_speech_skipped_after_the_carried_words_is_decoded_again_without_them(
             if job.start_s > window_start:
                 cuts += 1
                 window_start = job.start_s
-                unforced = not job.request.prefix
             elif job.start_s == window_start and not job.request.prefix and cuts:
-                unforced_after_cut += not unforced
-                unforced = True
+                unforced_after_cut += 1
             session.receive_result(job, decoder(job))
             finals += [e for e in session.events_to_send() if isinstance(e, FinalMessage)]
     assert cuts >= 3
-    assert (unforced_after_cut > 0) == retried
+    assert unforced_after_cut == 0
     slots = [int(w.word[1:]) for f in finals for w in f.words]
     assert slots == list(range(slots[0], slots[-1] + 1)), slots
     assert slots[-1] * ScriptedEngine.WORD_S > 15.0
