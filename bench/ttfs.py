@@ -231,6 +231,7 @@ def pooled(clips: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "stt_benchmark_ttfs": spread(values("stt_benchmark_ttfs_s")),
         "vad_end_after_last_word": spread(values("vad_end_after_last_word_s")),
         "decoder_end_after_last_word": spread(values("decoder_end_after_last_word_s")),
+        "client_lag_at_last_word": spread(values("client_lag_at_last_word_s")),
         "pacing_late_max_s": max((c["pacing_late_max_s"] for c in clips), default=None),
         "ref_words": ref_words,
         "wer_pooled": round(errors / ref_words, 4) if ref_words else None,
@@ -300,6 +301,11 @@ class ClipState:
     and whether the final that closes the clip's speech has come."""
 
     last_word_end_s: float | None
+    # Deepgram's finals answer the Finalize sent at each stop of the VAD: the one closing the
+    # speech follows a stop after the last word (an answer to a stop at a pause inside the
+    # clip may come late, after the last word, and must not close it). Flux's server ends
+    # the turn itself, before or after the client's VAD stops.
+    closing_needs_vad_stop: bool = True
     audio_start_wall_s: float | None = None
     finals: list[tuple[float, str, bool]] = dataclasses.field(default_factory=list)
     interims: int = 0
@@ -309,6 +315,11 @@ class ClipState:
     # How late the latest frame left against the 1x schedule: the client's own lateness (its
     # event loop busy with VADs and pipelines), which delays the audio the server hears.
     pacing_late_max_s: float = 0.0
+    # How late the frame holding the last word's end had been sent to the server (the
+    # service passes each frame on after sending it), against when the transport was due to
+    # push it: the transport's lateness plus the VAD's queue, which the audio passes first.
+    audio_frames_sent: int = 0
+    client_lag_at_last_word_s: float | None = None
     errors: list[str] = dataclasses.field(default_factory=list)
     closed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     finished: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -317,6 +328,15 @@ class ClipState:
         if self.audio_start_wall_s is None or self.last_word_end_s is None:
             return False
         return wall_s >= self.audio_start_wall_s + self.last_word_end_s
+
+    def closes_speech(self, signal_wall_s: float) -> bool:
+        """Whether a closing signal (a finalized final, Pipecat's TTFB report) arriving at
+        ``signal_wall_s`` is the one for the clip's last words."""
+        if not self.after_last_word(signal_wall_s):
+            return False
+        if not self.closing_needs_vad_stop:
+            return True
+        return any(self.after_last_word(stop) for stop in self.vad_stops_wall_s)
 
 
 class PacedClipInput(BaseInputTransport):
@@ -383,8 +403,8 @@ class ClipRecorder(FrameProcessor):
     """The pipeline's last processor: notes when each frame from the service arrives. The
     speech is closed by a final transcript that Pipecat marks finalized (Deepgram's answer to
     ``Finalize``, Flux's ``EndOfTurn``) or by Pipecat's TTFB metric (reported when the server
-    answered the ``Finalize`` with nothing new, or 2 s after the VAD's stop), either after the
-    end of the last word."""
+    answered the ``Finalize`` with nothing new, or 2 s after the VAD's stop), after the end of
+    the last word (``ClipState.closes_speech``)."""
 
     def __init__(self, state: ClipState) -> None:
         super().__init__()
@@ -400,6 +420,12 @@ class ClipRecorder(FrameProcessor):
             closes = bool(frame.finalized)
         elif isinstance(frame, InterimTranscriptionFrame):
             state.interims += 1
+        elif isinstance(frame, InputAudioRawFrame):
+            k = state.audio_frames_sent
+            state.audio_frames_sent += 1
+            start, word_end = state.audio_start_wall_s, state.last_word_end_s
+            if start is not None and word_end is not None and k == int(word_end / FRAME_S):
+                state.client_lag_at_last_word_s = now - (start + k * FRAME_S)
         elif isinstance(frame, VADUserStartedSpeakingFrame):
             state.vad_starts += 1
         elif isinstance(frame, VADUserStoppedSpeakingFrame):
@@ -410,7 +436,7 @@ class ClipRecorder(FrameProcessor):
                 if isinstance(data, TTFBMetricsData) and data.value > 0.0:
                     state.ttfb_s.append(data.value)
                     closes = True
-        if closes and state.after_last_word(now):
+        if closes and state.closes_speech(now):
             state.closed.set()
         await self.push_frame(frame, direction)
 
@@ -439,7 +465,7 @@ async def run_clip(
 ) -> ClipState:
     """One clip through ``transport -> Silero VAD -> service -> recorder``, as stt-benchmark
     runs a sample: a pipeline of its own, cancelled once the audio (and the wait) is over."""
-    state = ClipState(last_word_end_s=last_word_end)
+    state = ClipState(last_word_end_s=last_word_end, closing_needs_vad_stop=endpoint != "flux")
     vad = VADProcessor(vad_analyzer=SileroVADAnalyzer(params=VADParams(stop_secs=VAD_STOP_S)))
     pipeline = Pipeline(
         [PacedClipInput(pcm, state), vad, make_service(endpoint, ws_base), ClipRecorder(state)]
@@ -499,6 +525,7 @@ def clip_row(
         "vad_stops": len(state.vad_stops_wall_s),
         "closed": state.closed.is_set(),
         "pacing_late_max_s": round(state.pacing_late_max_s, 3),
+        "client_lag_at_last_word_s": _rounded(state.client_lag_at_last_word_s),
         "errors": counts.errors,
         "ref_words": counts.ref_words,
         "offline_errors": offline["errors"],

@@ -16,6 +16,7 @@ from bench.ttfs import (
     PLOTTED,
     PUBLISHED,
     ClipClock,
+    ClipState,
     clip_row,
     last_word_end_s,
     parse_args,
@@ -56,6 +57,17 @@ def test_a_clip_without_a_final_or_a_word_end_has_no_ttfs() -> None:
     # The last final came before the last word ended: the clip's last words got no final.
     early = ClipClock(1000.0, 4.2, finals_wall_s=(1003.5,), vad_stops_wall_s=(1004.45,))
     assert early.ttfs_s is None
+
+
+def test_deepgrams_speech_is_closed_only_by_an_answer_to_a_stop_after_the_last_word() -> None:
+    state = ClipState(last_word_end_s=4.2, audio_start_wall_s=1000.0)
+    state.vad_stops_wall_s.append(1002.0)  # a pause inside the clip
+    assert not state.closes_speech(1004.0)  # before the last word ended
+    assert not state.closes_speech(1004.6)  # a late answer to the pause's Finalize
+    state.vad_stops_wall_s.append(1004.45)
+    assert state.closes_speech(1004.6)
+    flux = ClipState(last_word_end_s=4.2, audio_start_wall_s=1000.0, closing_needs_vad_stop=False)
+    assert not flux.closes_speech(1004.0) and flux.closes_speech(1004.3)  # EndOfTurn, no stop
 
 
 def test_percentiles_interpolate_between_ranks() -> None:
@@ -213,4 +225,5 @@ async def test_one_clip_through_pipecats_deepgram_service_is_timed_and_scored(
     assert state.closed.is_set() and figures["finalized"] >= 1
     assert figures["vad_stops"] >= 1 and figures["interims"] >= 1
     assert figures["ttfs_s"] is not None and figures["stt_benchmark_ttfs_s"] is not None
+    assert figures["client_lag_at_last_word_s"] is not None  # the word's frame went out
     assert figures["errors"] / figures["ref_words"] <= 0.35, figures["transcript"]
