@@ -105,7 +105,7 @@ SETTLE_S = 60.0  # beyond the clip and the waits above: a pipeline that hangs is
 TARGET_P50_MS = 250  # issue 62: TTFS p50 through Pipecat's Deepgram service at one stream
 SPEECH_THRESHOLD = 0.5  # Silero's own default: the frame is speech at this probability or more
 SERVER_LOG = "ttfs_server.log"
-PLOT = "ttfs.png"
+PREFIX = "ttfs"  # results ttfs-<endpoint>[-<N>streams].json, the plot ttfs.png
 PUBLISHED_SOURCE = "github.com/pipecat-ai/stt-benchmark README (commit eadbc9d)"
 
 
@@ -264,13 +264,14 @@ def last_word_end_s(answer: Mapping[str, Any]) -> float | None:
     return max((float(w["end"]) for w in words), default=None)
 
 
-def default_out(endpoint: str, streams: int) -> str:
-    return f"ttfs-{endpoint}" + ("" if streams == 1 else f"-{streams}streams")
+def default_out(endpoint: str, streams: int, prefix: str = PREFIX) -> str:
+    return f"{prefix}-{endpoint}" + ("" if streams == 1 else f"-{streams}streams")
 
 
-# The runs the plot draws: both endpoints at one and at four streams, under their default names
-# (a smoke run under another ``--out`` name stays off it).
-PLOTTED = tuple(default_out(e, n) for e in ENDPOINTS for n in (1, 4))
+def plotted(prefix: str = PREFIX) -> tuple[str, ...]:
+    """The runs a plot draws: both endpoints at one and at four streams, named as
+    ``default_out`` names them (a run under another ``--out`` name stays off it)."""
+    return tuple(default_out(e, n, prefix) for e in ENDPOINTS for n in (1, 4))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -280,7 +281,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=0, help="the first N clips only (0: all)")
     parser.add_argument("--out", help="results name (default ttfs-<endpoint>[-<N>streams])")
     parser.add_argument(
-        "--plot-only", action="store_true", help=f"redraw {PLOT} from the results files"
+        "--plot-only", action="store_true", help="redraw the plot from the results files"
+    )
+    parser.add_argument(
+        "--plot-prefix",
+        default=PREFIX,
+        help="draw the runs PREFIX-<endpoint>[-4streams].json into PREFIX.png (default ttfs)",
     )
     args = parser.parse_args(argv)
     if args.streams < 1:
@@ -647,8 +653,8 @@ def plot_points(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return sorted(points, key=lambda p: str(p["label"]))
 
 
-def write_plot(folder: Path) -> Path | None:
-    """TTFS against WER: our runs (``PLOTTED``'s files in ``folder``) above, the rows
+def write_plot(folder: Path, prefix: str = PREFIX) -> Path | None:
+    """TTFS against WER: our runs (``plotted(prefix)``'s files in ``folder``) above, the rows
     stt-benchmark publishes below on the same TTFS axis. Theirs carry no WER on our axis: their
     WER is an LLM-judged semantic WER on other recordings, so they are drawn as TTFS marks
     only (their figure in the label). None when there is no result to draw."""
@@ -658,7 +664,7 @@ def write_plot(folder: Path) -> Path | None:
     import matplotlib.pyplot as plt  # after use(): the backend must be chosen first
     from matplotlib.ticker import NullFormatter
 
-    paths = [folder / f"{name}.json" for name in PLOTTED]
+    paths = [folder / f"{name}.json" for name in plotted(prefix)]
     results = [json.loads(p.read_text()) for p in paths if p.is_file()]
     points = plot_points(results)
     if not points:
@@ -709,8 +715,10 @@ def write_plot(folder: Path) -> Path | None:
     )
     theirs.set_xlabel("TTFS, ms (end of speech to last final transcript)")
     theirs.grid(alpha=0.3, axis="x")
+    if prefix != PREFIX:  # not the runs that count: say which runs these are
+        fig.suptitle(f"runs {prefix}-*.json, not bench-ttfs's own", fontsize=9, color="red")
     fig.tight_layout()
-    path = folder / PLOT
+    path = folder / f"{prefix}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -733,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         path = write_results(args.out, data)
         print(json.dumps(data["headline"]))
         print(f"wrote {path}")
-    plot = write_plot(RESULTS)
+    plot = write_plot(RESULTS, args.plot_prefix)
     print(f"wrote {plot}" if plot else "no results to plot")
     return 0
 

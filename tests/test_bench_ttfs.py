@@ -13,7 +13,6 @@ import pytest
 
 from bench.corpus import ManifestRow, load_clip
 from bench.ttfs import (
-    PLOTTED,
     PUBLISHED,
     ClipClock,
     ClipState,
@@ -22,6 +21,7 @@ from bench.ttfs import (
     parse_args,
     percentile,
     plot_points,
+    plotted,
     pooled,
     run_clip,
     silero_speech_end_s,
@@ -149,7 +149,7 @@ def test_arguments_name_the_results_by_endpoint_and_streams() -> None:
         "ttfs-flux-4streams",
     )
     assert parse_args(["--out", "smoke"]).out == "smoke"
-    assert set(PLOTTED) == {
+    assert set(plotted()) == {
         "ttfs-deepgram",
         "ttfs-deepgram-4streams",
         "ttfs-flux",
@@ -201,6 +201,8 @@ def test_the_plot_is_drawn_from_the_default_named_runs_only(tmp_path: Path) -> N
     path = write_plot(tmp_path)
     assert path == tmp_path / "ttfs.png" and path.stat().st_size > 10_000
     assert len(PUBLISHED) == 5
+    (tmp_path / "smoke-ttfs-flux.json").write_text(json.dumps(results("flux", 1, 0.9)))
+    assert write_plot(tmp_path, "smoke-ttfs") == tmp_path / "smoke-ttfs.png"
 
 
 # --- one clip against a real server --------------------------------------------------------------
