@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 3
 
 .PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-gpu bench-beam bench-streaming bench-capacity bench-speakers bench-uploads bench-vocabulary bench-punctuation clean
-.PHONY: peer bench-latency bench-accuracy bench-ablation bench-turns bench-wyoming bench-served bench-telephony tmux bench-turn-model bench-vad
+.PHONY: peer bench-latency bench-accuracy bench-ablation bench-turns bench-wyoming bench-served bench-telephony tmux bench-turn-model bench-vad bench-ttfs
 
 install: $(STAMP)
 
@@ -126,6 +126,12 @@ bench-ablation: $(STAMP)
 # false ends. BENCH_TURNS_ARGS: e.g. --limit 10 --streams 4 --eot-threshold 0.8
 bench-turns: $(STAMP)
 	$(PY) -m bench.turns $(BENCH_TURNS_ARGS)
+
+# TTFS as pipecat-ai/stt-benchmark measures it: Pipecat's pipeline (Silero VAD, stop_secs 0.2) and
+# its Deepgram services on our /v1/listen and /v2/listen, end of the last word to the last final,
+# and WER; redraws bench/results/ttfs.png. BENCH_TTFS_ARGS: e.g. --endpoint flux --streams 4
+bench-ttfs: $(STAMP)
+	$(PY) -m bench.ttfs $(BENCH_TTFS_ARGS)
 
 # Home Assistant's Wyoming protocol: audio-stop to transcript on the test-other clips.
 bench-wyoming: $(STAMP)
