@@ -23,6 +23,10 @@ check that a restructure changed nothing. The events are kept in
 ``.cache/ablation-events/NAME-events.json``, which ``--compare`` takes; bench/results keeps
 each clip's errors and text.
 
+``--set streaming.FIELD=JSON`` (or ``vad.FIELD``, ``commit.FIELD``) changes a setting for every
+run: ``--rules none --noise-scales "" --set 'vad.detector="silero"'`` streams the sets once with
+Silero VAD in webrtcvad's place.
+
 Writes ``bench/results/ablation.json`` (``--out NAME``) and prints one table.
 """
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -42,17 +47,18 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from bench.accuracy import modelled_cost_s
+from bench.accuracy import _overrides, modelled_cost_s
 from bench.accuracy_metrics import count_errors
 from bench.corpus import read_manifest
 from bench.engine import load_speech, speech_dir, write_results
 from bench.simulate import SimulationResult, simulate
-from server.config import StreamingConfig
+from server.config import StreamingConfig, VadConfig
 from server.core.engine_api import DecodeResult, Window
-from server.core.rules import GUARDS, RULES, RulesConfig
+from server.core.rules import GUARDS, RULES
 from server.core.session import DecodeJob
 from server.engine.engine import Engine, EngineConfig
 from server.protocol.messages import FinalMessage, PartialMessage
+from server.turns.silero_vad import SileroModel, SileroVoicing
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CACHE = REPO / ".cache" / "ablation-decodes.pkl"
@@ -144,8 +150,14 @@ def run_set(
     streaming: StreamingConfig,
     *,
     cost_scale: float,
+    vad: VadConfig | None = None,
 ) -> dict[str, Any]:
-    """One configuration over one set's clips, pooled; the per-clip text and fingerprint."""
+    """One configuration over one set's clips, pooled; the per-clip text and fingerprint.
+    ``vad``: the sessions' voice activity detection (``detector`` "silero": Silero's)."""
+    voicing = None
+    if vad is not None and vad.detector == "silero":
+        silero = SileroModel()
+        voicing = functools.partial(SileroVoicing, silero)
     errors = words = 0
     finals: list[float] = []
     turn_ends: list[float] = []
@@ -162,6 +174,8 @@ def run_set(
             spare_lane=streaming.finals == "utterance",
             decoder=cache,
             on_session=lambda s: fired.update(s.rule_counts),
+            vad=vad,
+            frame_voicing=voicing,
         )
         counts = count_errors(reference, result.text)
         errors += counts.errors
@@ -225,13 +239,20 @@ def _summary(
     """The results file: every run so far, the noise (the baselines' spread of errors), and
     with ``compare`` the clips whose events differ from that earlier run's baseline."""
     noise = {
-        label: sorted({by[label]["errors"] for n, by in runs.items() if n.startswith("baseline")})
+        label: sorted(
+            {
+                by[label]["errors"]
+                for n, by in runs.items()
+                if n.startswith("baseline") and label in by
+            }
+        )
         for label in runs.get("baseline", {})
     }
     data: dict[str, Any] = {
         "runs": runs,
         "noise_errors": noise,
         "rules": dict(RULES),
+        "argv": sys.argv[1:],
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
         "wall_s": round(time.perf_counter() - started, 1),
@@ -264,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sets", default=",".join(SETS))
     parser.add_argument("--modes", default=",".join(MODES), help="finals: utterance, words")
     parser.add_argument("--noise-scales", default="0.9,1.1", help="baseline cost scales")
+    parser.add_argument(
+        "--set", action="append", default=[], help="streaming.FIELD=JSON for every run"
+    )
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--compare", type=Path, help="an earlier ablation JSON to diff against")
     parser.add_argument("--out", default="ablation")
@@ -281,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     sets = [s for s in args.sets.split(",") if s]
     modes = [m for m in args.modes.split(",") if m]
     scales = [float(x) for x in args.noise_scales.split(",") if x]
+    configured, _, vad = _overrides(args.set)
 
     engine = Engine.load(EngineConfig())
     engine.warmup()
@@ -295,10 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     plan += [(f"baseline x{s}", (), s) for s in scales]
     for name, off, scale in plan:
         for mode in modes:
-            streaming = StreamingConfig(finals=mode, rules=RulesConfig(disabled=off))
+            streaming = dataclasses.replace(
+                configured, finals=mode, rules=dataclasses.replace(configured.rules, disabled=off)
+            )
             for set_name in sets:
                 label = f"{mode}/{set_name}"
-                run = run_set(engine, cache, clips_of(set_name), streaming, cost_scale=scale)
+                clips = clips_of(set_name)
+                run = run_set(engine, cache, clips, streaming, cost_scale=scale, vad=vad)
                 runs.setdefault(name, {})[label] = run
                 cache.save()
                 _save(args.out, _summary(runs, cache, load_start, started, None))

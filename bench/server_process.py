@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -97,6 +100,17 @@ class ResourceSampler:
                 self._samples.append(sample)
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Run in the child between fork and exec (Linux): SIGTERM to the child when the process
+    that started it dies. A benchmark stopped by SIGTERM or SIGKILL runs none of its cleanup,
+    and its server would go on holding a core and a port under the next run's figures."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class ServerProcess:
     """Start a server command, wait until ``ready`` says so, sample it, stop it."""
 
@@ -124,7 +138,9 @@ class ServerProcess:
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self._log_path.open("wb")
         started = time.perf_counter()
-        self._proc = subprocess.Popen(self._cmd, env=self._env, stdout=log, stderr=log)
+        self._proc = subprocess.Popen(
+            self._cmd, env=self._env, stdout=log, stderr=log, preexec_fn=die_with_parent
+        )
         log.close()
         logger.info("started %s (pid %d): %s", self.name, self._proc.pid, " ".join(self._cmd))
         try:

@@ -29,7 +29,7 @@ from server.config import StreamingConfig, VadConfig
 from server.core.engine_api import DecodeResult, Window
 from server.core.session import DecodeJob, Session, SessionEvent
 from server.core.speakers import SpeakerEmbedder
-from server.core.vad import FrameClassifier
+from server.core.vad import FrameClassifier, FrameVoicing
 from server.engine.engine import Engine
 from server.protocol.audio import pcm_s16le_bytes
 from server.protocol.formats import AudioFormat
@@ -162,6 +162,7 @@ def simulate(
     decoder: Callable[[DecodeJob], DecodeResult] | None = None,
     on_session: Callable[[Session], object] | None = None,
     frame_classifier: FrameClassifier | None = None,
+    frame_voicing: Callable[[], FrameVoicing] | None = None,
     wire: tuple[AudioFormat, bytes] | None = None,
 ) -> SimulationResult:
     """Stream ``audio`` through a fresh session; see the module docstring.
@@ -171,7 +172,7 @@ def simulate(
     ``decoder``: decodes a job in place of ``engine`` (a cache of recorded results, which
     ``bench.ablation`` replays); its time counts only where no modelled cost is given.
     ``on_session``: called with the session once it is done (its rule counters).
-    ``frame_classifier``: the VAD's verdicts (``Session``); None: webrtcvad's.
+    ``frame_classifier``, ``frame_voicing``: the VAD's verdicts (``Session``); None: webrtcvad's.
     ``wire``: the format and bytes the session is fed instead of ``audio``.
     """
     fmt, data = wire if wire is not None else (AudioFormat(), pcm_s16le_bytes(audio))
@@ -182,6 +183,7 @@ def simulate(
         vad=vad,
         multilingual=engine.dims.is_multilingual,
         frame_classifier=frame_classifier,
+        frame_voicing=frame_voicing,
     )
     rate, width = fmt.sample_rate_hz, fmt.bytes_per_sample
     total = len(data) // width  # samples at the client's rate

@@ -188,6 +188,13 @@ def run(
     return rows
 
 
+def hard_rows(limit: int = 0) -> list[ManifestRow]:
+    """The LibriSpeech test-other clips of ``manifest.tsv``; the first ``limit`` where given."""
+    folder = speech_dir()
+    rows = [r for r in read_manifest(folder / "manifest.tsv") if r.file.startswith(HARD_FOLDER)]
+    return rows[:limit] if limit else rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit", type=int, default=0, help="first N test-other clips only")
@@ -218,12 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="telephony")
     args = parser.parse_args(argv)
 
-    folder = speech_dir()
-    rows = [r for r in read_manifest(folder / "manifest.tsv") if r.file.startswith(HARD_FOLDER)]
-    if args.limit:
-        rows = rows[: args.limit]
     clips = []
-    for row in rows:
+    for row in hard_rows(args.limit):
         audio = load_speech(row.file)
         clips.append(Clip(row, audio, phone_line(audio, LAW)))
     levers = [lever for lever in LEVERS if not args.lever or lever.name in args.lever]

@@ -23,7 +23,7 @@ calls speech, what a frame costs; and the words the whole core makes of 30 s of 
    waiting for a core), and the share of one core a stream's VAD takes (CPU time).
 4. The core on the noises: ``bench.simulate.simulate`` with the real tiny.en engine at the
    modelled decode cost (``bench.accuracy.modelled_cost_s``), the words that come out; with
-   webrtcvad (today's core) and with Silero in its place (see ``silero_in_the_session``).
+   webrtcvad (today's core) and with Silero in its place (``Session``'s ``frame_voicing``).
 5. The core on speech (``--parts accuracy``, not run by default: on this 2-core machine it
    takes about a minute a clip): the 40 test-other clips (``--accuracy-clips``, spread over
    the four chapters), 1 s before and 1.5 s after, clean and under pink noise 10 dB down,
@@ -38,19 +38,17 @@ the headline figures.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-import server.core.session as session_module
 from bench.accuracy import modelled_cost_s
 from bench.accuracy_metrics import count_errors
 from bench.corpus import load_clip, read_manifest
@@ -67,13 +65,14 @@ from server.protocol.messages import FinalMessage
 from server.turns.silero_vad import (
     FRAME_SAMPLES,
     SileroModel,
-    SileroSegmenter,
     SileroVad,
     SileroVadConfig,
+    SileroVoicing,
+    silero_segmenter,
 )
 
 Float32Array = npt.NDArray[np.float32]
-Segmenter = VadSegmenter | SileroSegmenter
+Segmenter = VadSegmenter
 
 NOISES = ("white", "pink", "brown", "hum", "room")
 LEVELS_DBFS = (-50, -40, -30, -20)
@@ -158,25 +157,13 @@ def run_segmenter(segmenter: Segmenter, audio: Float32Array) -> list[tuple[int, 
 def segmenters(model: SileroModel, config: VadConfig) -> dict[str, Callable[[], Segmenter]]:
     return {
         "webrtcvad": lambda: VadSegmenter(config),
-        "silero": lambda: SileroSegmenter(config, SileroVadConfig(), model),
+        "silero": lambda: silero_segmenter(config, model, SileroVadConfig()),
     }
 
 
-@contextlib.contextmanager
-def silero_in_the_session(model: SileroModel) -> Iterator[None]:
-    """The session builds its segmenter as ``VadSegmenter(vad_config)`` from
-    server/core/session.py's namespace; until the core takes a VAD switch, this run swaps that
-    name for a Silero segmenter of the same config, and puts it back after."""
-    original = getattr(session_module, "VadSegmenter")  # noqa: B009 (not re-exported)
-
-    def build(config: VadConfig) -> SileroSegmenter:
-        return SileroSegmenter(config, SileroVadConfig(), model)
-
-    setattr(session_module, "VadSegmenter", build)  # noqa: B010 (mypy: a class's name)
-    try:
-        yield
-    finally:
-        setattr(session_module, "VadSegmenter", original)  # noqa: B010
+def voicing_of(name: str, model: SileroModel) -> Callable[[], SileroVoicing] | None:
+    """The session's detector by name: None (webrtcvad, the session's own) or Silero's."""
+    return (lambda: SileroVoicing(model)) if name == "silero" else None
 
 
 # --- 1. speech ----------------------------------------------------------------------------------
@@ -355,11 +342,12 @@ def measure_core(
             audio = at_level(raw, level)
             row: dict[str, Any] = {"noise": kind, "dbfs": level}
             for name in ("webrtcvad", "silero"):
-                context = (
-                    silero_in_the_session(model) if name == "silero" else contextlib.nullcontext()
+                result = simulate(
+                    engine,
+                    audio,
+                    decode_cost_s=modelled_cost_s,
+                    frame_voicing=voicing_of(name, model),
                 )
-                with context:
-                    result = simulate(engine, audio, decode_cost_s=modelled_cost_s)
                 row[f"{name}_text"] = result.text
                 row[f"{name}_words"] = len(result.text.split())
                 row[f"{name}_decodes"] = len(result.decode_s)
@@ -391,11 +379,12 @@ def measure_accuracy(engine: Engine, model: SileroModel, clips_n: int) -> dict[s
         }
         for condition, audio in (("clean", stream), ("pink_10db", noisy)):
             for name in ("webrtcvad", "silero"):
-                context = (
-                    silero_in_the_session(model) if name == "silero" else contextlib.nullcontext()
+                result = simulate(
+                    engine,
+                    audio,
+                    decode_cost_s=modelled_cost_s,
+                    frame_voicing=voicing_of(name, model),
                 )
-                with context:
-                    result = simulate(engine, audio, decode_cost_s=modelled_cost_s)
                 counts = count_errors(row.transcript, result.text)
                 out[f"{condition}_{name}_errors"] = counts.errors
                 out[f"{condition}_{name}_eos_to_final_s"] = [

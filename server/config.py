@@ -22,10 +22,18 @@ UTTERANCE_WINDOW_S = 30.0
 _Config = TypeVar("_Config")
 
 
+VAD_DETECTORS = ("webrtcvad", "silero")
+
+
 @dataclass(frozen=True)
 class VadConfig:
-    """Voice activity detection on 16 kHz audio with webrtcvad."""
+    """Voice activity detection on 16 kHz audio: webrtcvad, or Silero VAD."""
 
+    # "webrtcvad" (a few microseconds a frame) or "silero" (Silero VAD v5 on onnxruntime, from
+    # the pipecat-ai wheel: about 0.25 ms of CPU a 32 ms frame, and it calls no noise speech;
+    # bench/README.md, "Silero VAD against webrtcvad"). aggressiveness and frame_ms are
+    # webrtcvad's; Silero's frames are 32 ms.
+    detector: str = "webrtcvad"
     aggressiveness: int = 2  # webrtcvad mode 0 (least) .. 3 (most eager to call audio non-speech)
     frame_ms: int = 30  # webrtcvad accepts only 10, 20 or 30 ms frames
     speech_start_ms: int = 90  # voiced audio needed within the start window to open speech
@@ -40,6 +48,10 @@ class VadConfig:
     speech_pad_ms: int = 200  # audio kept before the onset so word starts are not clipped
 
     def __post_init__(self) -> None:
+        if self.detector not in VAD_DETECTORS:
+            raise ValueError(
+                f"detector must be one of {', '.join(VAD_DETECTORS)}; got {self.detector!r}"
+            )
         if self.aggressiveness not in (0, 1, 2, 3):
             raise ValueError(f"aggressiveness must be 0, 1, 2 or 3; got {self.aggressiveness}")
         if self.frame_ms not in (10, 20, 30):

@@ -33,8 +33,9 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from bench.corpus import ManifestRow, load_clip, normalize, wer
 from bench.http_probe import http_get, metric_value
+from bench.vad_compare import at_level, noise
 from server.apis.v1_stream import apply_text
-from server.config import PipelineConfig, ServerConfig, StreamingConfig
+from server.config import PipelineConfig, ServerConfig, StreamingConfig, VadConfig
 from server.core.engine_api import DecodeResult, SpeechEngine, Window
 from server.core.session import MAX_DECODE_FAILURES, Session
 from server.protocol.audio import pcm_s16le_bytes
@@ -218,6 +219,26 @@ async def test_shutdown_delivers_finals_and_done(
     assert wer(" ".join(ref_words[: len(words)]), " ".join(words)) <= MAX_WER_CLIP, finals
     with pytest.raises(OSError):
         await http_get(server.http_url + "/healthz")
+
+
+async def test_with_silero_streams_find_the_speech_and_not_the_loud_noise_before_it(
+    engine: Engine, speech_dir: Path
+) -> None:
+    # Pink noise as loud as speech: webrtcvad calls all of it speech (bench/README.md, "Silero
+    # VAD against webrtcvad"); Silero, which --vad silero puts in every stream, calls none.
+    bed = at_level(noise("pink", 3.0), -20.0)
+    speech = load_clip(speech_dir / "misc_en" / "jfk.wav")[: round(4.5 * SAMPLE_RATE_HZ)]
+    quiet = np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)
+    config = ServerConfig(host="127.0.0.1", port=0, warmup=False)  # the fixture warmed it
+    vad = VadConfig(detector="silero")
+    async with WhisperwireServer(lambda: engine, server=config, vad=vad) as server:
+        outcome = await stream_frames(
+            stream_url(server.url), pcm_frames(np.concatenate([bed, speech, quiet]))
+        )
+    starts = [m["start"] for m in outcome.of_type("speech_started")]
+    assert starts and min(starts) >= 2.7, starts  # the noise's 3 s less the 0.2 s pad, at most
+    finals = normalize(" ".join(m["text"] for m in outcome.of_type("final")))
+    assert "fellow americans" in finals, finals
 
 
 # --------------------------------------------------------------------------- draining

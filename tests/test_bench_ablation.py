@@ -33,15 +33,27 @@ def test_the_results_keep_errors_and_text_and_the_events_go_beside_the_cache(
     assert events == data  # the events untouched, and the data passed in too
 
 
+class NoCache:
+    misses = hits = 0
+
+
+def test_the_noise_is_each_modes_spread_over_the_baselines_run_so_far() -> None:
+    # Saved after every run: a noise baseline part-way through has only its first modes.
+    runs = {
+        "baseline": {"utterance/x": {"errors": 7}, "words/x": {"errors": 9}},
+        "baseline x0.9": {"utterance/x": {"errors": 8}, "words/x": {"errors": 9}},
+        "-a_rule": {"utterance/x": {"errors": 30}, "words/x": {"errors": 1}},
+        "baseline x1.1": {"utterance/x": {"errors": 6}},
+    }
+    summary = ablation._summary(runs, NoCache(), (0.0, 0.0, 0.0), 0.0, None)  # type: ignore[arg-type]
+    assert summary["noise_errors"] == {"utterance/x": [6, 7, 8], "words/x": [9]}
+
+
 def test_a_comparison_with_a_file_without_events_is_refused(tmp_path: Path) -> None:
     earlier = tmp_path / "slim.json"
     earlier.write_text(
         json.dumps({"runs": {"baseline": {"utterance/x": {"clips": {"a.wav": {}}}}}})
     )
     runs = {"baseline": {"utterance/x": _run([])}}
-
-    class NoCache:
-        misses = hits = 0
-
     with pytest.raises(SystemExit, match="no clip events"):
         ablation._summary(runs, NoCache(), (0.0, 0.0, 0.0), 0.0, earlier)  # type: ignore[arg-type]

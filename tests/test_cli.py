@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from server.config import StreamingConfig
+from server.config import StreamingConfig, VadConfig
 from server.core.policy import CommitConfig
 from server.serve.cli import build_parser, main, pipeline_config, switched_off_rules
 
@@ -184,3 +184,15 @@ def test_admission_has_a_flag_of_its_own_and_is_checked(
         assert "comfort_utilization must be in (0, 1] and at most admission" in (
             capsys.readouterr().err
         )
+
+
+def test_the_vad_is_webrtcvad_unless_silero_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    assert parser.parse_args([]).vad == VadConfig().detector == "webrtcvad"
+    assert parser.parse_args(["--vad", "silero"]).vad == "silero"
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--vad", "energy"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'energy'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="detector must be one of webrtcvad, silero"):
+        VadConfig(detector="energy")

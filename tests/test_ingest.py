@@ -44,3 +44,34 @@ def test_trimming_keeps_the_vads_look_back_while_nobody_needs_audio() -> None:
     assert audio.end == 3 * SAMPLE_RATE_HZ  # resampled to 16 kHz
     audio.trim(audio.idle_keep_from)
     assert audio.buffer.start == 2 * SAMPLE_RATE_HZ
+
+
+class Loudness:
+    """A detector of our own: 40 ms frames, speech where the frame is loud; each stream gets
+    a fresh one and its frames are recorded."""
+
+    frame_samples = 640
+
+    def __init__(self) -> None:
+        self.frames = 0
+
+    def voiced(self, frame: np.ndarray, in_speech: bool) -> tuple[bool, bool]:
+        self.frames += 1
+        return bool(np.abs(frame).max() > 0.1), True
+
+
+def test_another_detector_takes_webrtcvads_place_for_each_configuration() -> None:
+    made: list[Loudness] = []
+
+    def voicing() -> Loudness:
+        made.append(Loudness())
+        return made[-1]
+
+    audio = AudioIngest(AudioFormat(), VadConfig(), max_frame_bytes=1 << 20, voicing=voicing)
+    audio.configure(AudioFormat(), VadConfig(), max_frame_bytes=1 << 20)  # a fresh detector
+    tone = 0.5 * np.sin(np.arange(SAMPLE_RATE_HZ) * 2 * np.pi * 440 / SAMPLE_RATE_HZ)
+    silence = np.zeros(SAMPLE_RATE_HZ, dtype=np.float32)
+    events = audio.receive(pcm_s16le_bytes(np.concatenate([silence, tone, silence])))
+    # Whole 40 ms frames: the tone's start at 1.0 s is frame 25's, less the 200 ms pad.
+    assert events == [SpeechStarted(SAMPLE_RATE_HZ - 3200), SpeechEnded(2 * SAMPLE_RATE_HZ + 3200)]
+    assert len(made) == 2 and made[0].frames == 0 and made[1].frames == 75

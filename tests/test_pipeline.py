@@ -689,6 +689,26 @@ async def test_the_calibration_keeps_the_cheaper_run_of_each_shape() -> None:
         await pipeline.close()
 
 
+async def test_an_engine_this_process_calibrated_is_not_timed_again() -> None:
+    engine = WindowRecordingEngine()
+    fits = []
+    for _ in range(2):
+        pipeline = Pipeline(PipelineConfig(max_batch_size=8))
+        await pipeline.start(lambda: engine)
+        try:
+            fits.append((pipeline.capacity.fit, pipeline.capacity.batch_ratio))
+        finally:
+            await pipeline.close()
+    # The second start warmed the engine up and decoded nothing else; its model is the first's.
+    assert engine.warmups == 2 and len(engine.batches) == 8
+    assert fits[0] == fits[1] and fits[0][0] is not None
+    other = WindowRecordingEngine()  # another engine object is timed
+    pipeline = Pipeline(PipelineConfig(max_batch_size=8))
+    await pipeline.start(lambda: other)
+    await pipeline.close()
+    assert len(other.batches) == 8
+
+
 async def test_admission_has_its_own_budget_and_the_cadence_keeps_the_utilization() -> None:
     """Two pipelines alike but for ``admission_utilization``: the stricter admits fewer
     streams, and both ask the streams they carry to gather audio at the cadence that plans

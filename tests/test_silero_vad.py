@@ -9,14 +9,14 @@ import pytest
 
 from bench.corpus import find_speech_dir, load_clip
 from server.config import VadConfig
-from server.core.vad import SpeechEnded, SpeechStarted, VadEvent
+from server.core.vad import SpeechEnded, SpeechStarted, VadEvent, VadSegmenter
 from server.protocol.formats import SAMPLE_RATE_HZ
 from server.turns.silero_vad import (
     FRAME_SAMPLES,
     SileroModel,
-    SileroSegmenter,
     SileroVad,
     SileroVadConfig,
+    silero_segmenter,
 )
 
 SECOND = SAMPLE_RATE_HZ
@@ -51,8 +51,8 @@ def _energy_bounds(clip: npt.NDArray[np.float32]) -> tuple[int, int]:
     return int(loud[0]) * 10 * MS, (int(loud[-1]) + 1) * 10 * MS
 
 
-def _segmenter(model: SileroModel, config: VadConfig | None = None) -> SileroSegmenter:
-    return SileroSegmenter(config or VadConfig(), SileroVadConfig(), model)
+def _segmenter(model: SileroModel, config: VadConfig | None = None) -> VadSegmenter:
+    return silero_segmenter(config or VadConfig(), model, SileroVadConfig())
 
 
 def _run(

@@ -28,6 +28,7 @@ from websockets.http11 import Request
 
 from server.config import StreamingConfig, VadConfig
 from server.core.session import Session
+from server.core.vad import FrameVoicing
 from server.decode.stream_driver import Outgoing, StreamDriver
 from server.protocol.errors import StreamError
 from server.protocol.messages import ErrorMessage
@@ -45,6 +46,8 @@ class SessionSettings:
     # Whether the server can score turns (Smart Turn is installed): streams that ask for
     # conversational turns are refused without it.
     turn_model: bool = False
+    # Makes the stream's voice activity detector (``Pipeline.frame_voicing``); None: webrtcvad.
+    frame_voicing: Callable[[], FrameVoicing] | None = None
 
 
 class Adapter(Protocol):

@@ -130,6 +130,7 @@ class FluxAdapter(PlainErrors):
             streaming=settings.streaming,
             vad=settings.vad,
             multilingual=settings.multilingual,
+            frame_voicing=settings.frame_voicing,
         )
         session.configure(
             dataclasses.replace(

@@ -277,6 +277,7 @@ class DeepgramAdapter(PlainErrors):
             streaming=settings.streaming,
             vad=settings.vad,
             multilingual=settings.multilingual,
+            frame_voicing=settings.frame_voicing,
         )
         end_ms = options.endpointing_ms
         if end_ms is not None:

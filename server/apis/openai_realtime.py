@@ -219,6 +219,7 @@ class RealtimeAdapter:
             streaming=settings.streaming,
             vad=settings.vad,
             multilingual=settings.multilingual,
+            frame_voicing=settings.frame_voicing,
         )
         # OpenAI's transcription events have no speaker field: labels a server with
         # --speakers would compute here would never be sent, and finals would wait for them.

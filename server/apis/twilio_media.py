@@ -711,6 +711,7 @@ class TwilioCall:
                 streaming=server.streaming,
                 vad=server.vad,
                 multilingual=engine.dims.is_multilingual,
+                frame_voicing=server.pipeline.frame_voicing,
             )
             # Each track is one speaker already: no labels to wait for within it.
             session.configure(dataclasses.replace(session.settings, speakers=False))

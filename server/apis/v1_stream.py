@@ -163,6 +163,7 @@ class V1Adapter(PlainErrors):
             streaming=settings.streaming,
             vad=settings.vad,
             multilingual=settings.multilingual,
+            frame_voicing=settings.frame_voicing,
         )
         params = parse_qs(urlsplit(request.path if request else "").query)
         fields: dict[str, Any] = {}

@@ -7,11 +7,13 @@ ends. No decisions about text here; the session reads the events and the audio.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from server.config import VadConfig
 from server.core.buffer import SampleBuffer
 from server.core.jobs import Float32Array
 from server.core.settings import IDLE_KEEP_S
-from server.core.vad import FrameClassifier, VadEvent, VadSegmenter
+from server.core.vad import FrameClassifier, FrameVoicing, VadEvent, VadSegmenter
 from server.protocol.audio import PcmDecoder
 from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
 
@@ -26,15 +28,18 @@ class AudioIngest:
         *,
         max_frame_bytes: int,
         classifier: FrameClassifier | None = None,
+        voicing: Callable[[], FrameVoicing] | None = None,
     ) -> None:
         self.buffer = SampleBuffer()
-        self._classifier = classifier  # the VAD's frame verdicts; None: webrtcvad's
+        self._classifier = classifier  # webrtcvad's frame verdicts, recorded; None: its own
+        self._voicing = voicing  # makes another detector (Silero's); None: webrtcvad
         self.configure(audio_format, vad, max_frame_bytes=max_frame_bytes)
 
     def configure(self, audio_format: AudioFormat, vad: VadConfig, *, max_frame_bytes: int) -> None:
         """New settings, before the first audio: a new decoder and VAD (the buffer stays)."""
         self.pcm = PcmDecoder(audio_format, max_frame_bytes=max_frame_bytes)
-        self.vad = VadSegmenter(vad, self._classifier)
+        voicing = self._voicing() if self._voicing is not None else None
+        self.vad = VadSegmenter(vad, self._classifier, voicing=voicing)
 
     @property
     def seconds_in(self) -> float:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 from server.config import StreamingConfig, VadConfig
 from server.core.desk import DecodeDesk
@@ -54,7 +55,7 @@ from server.core.transcript import Transcript
 from server.core.turn_desk import TurnDesk
 from server.core.turns import TurnConfig, TurnJob
 from server.core.utterance import Utterance
-from server.core.vad import FrameClassifier, SpeechEnded, SpeechStarted, VadEvent
+from server.core.vad import FrameClassifier, FrameVoicing, SpeechEnded, SpeechStarted, VadEvent
 from server.core.windows import Windows
 from server.protocol.errors import ProtocolError
 from server.protocol.formats import SAMPLE_RATE_HZ, AudioFormat
@@ -90,9 +91,11 @@ class Session:
         vad: VadConfig | None = None,
         multilingual: bool = False,
         frame_classifier: FrameClassifier | None = None,
+        frame_voicing: Callable[[], FrameVoicing] | None = None,
     ) -> None:
-        """``frame_classifier``: the VAD's verdict on each frame; None: webrtcvad's (the
-        recorded-case tests replay a real run's verdicts)."""
+        """``frame_classifier``: webrtcvad's verdict on each frame; None: webrtcvad itself (the
+        recorded-case tests replay a real run's verdicts). ``frame_voicing``: makes another
+        detector for the stream (Silero's, ``server.turns.silero_vad.SileroVoicing``)."""
         self.session_id = session_id
         self._server_streaming = streaming or StreamingConfig()
         self._server_vad = vad or VadConfig()
@@ -104,6 +107,7 @@ class Session:
             self._server_vad,
             max_frame_bytes=self._server_streaming.max_frame_bytes,
             classifier=frame_classifier,
+            voicing=frame_voicing,
         )
         text = Transcript(self._server_streaming, self.rule_counts, self.log)
         self._windows = Windows(self._audio, text, self.rule_counts, self.log)

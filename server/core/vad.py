@@ -1,4 +1,5 @@
-"""Voice activity segmentation with webrtcvad: 16 kHz samples in, speech start/end events out.
+"""Voice activity segmentation: 16 kHz samples in, speech start/end events out (webrtcvad, or
+Silero through ``server.turns.silero_vad``).
 
 Offsets are sample indices in the session's 16 kHz stream (sample 0 is the first sample the
 segmenter received), so the caller can cut its own audio buffer with them directly.
@@ -18,6 +19,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -55,13 +57,9 @@ VadEvent = SpeechStarted | SpeechEnded
 FrameClassifier = Callable[[bytes], bool]
 
 
-class VadSegmenter:
-    """Frames a 16 kHz float32 stream for webrtcvad and turns its verdicts into utterances.
-
-    Feed any number of samples at a time with ``receive``; incomplete frames wait for the next
-    call. Events come out in stream order, a ``SpeechStarted`` always followed by exactly one
-    ``SpeechEnded`` before the next ``SpeechStarted``.
-    """
+class WebrtcVoicing:
+    """webrtcvad's verdict on each 10, 20 or 30 ms frame (``VadConfig.frame_ms``), or a
+    recorded classifier's. Its verdicts count only after ``_WARMUP_MS`` of non-silent audio."""
 
     def __init__(self, config: VadConfig, classifier: FrameClassifier | None = None) -> None:
         if classifier is None:
@@ -71,19 +69,66 @@ class VadSegmenter:
                 return bool(vad.is_speech(frame, SAMPLE_RATE_HZ))
 
         self._classify = classifier
-        self._frame_len = config.frame_ms * SAMPLE_RATE_HZ // 1000
+        self.frame_samples = config.frame_ms * SAMPLE_RATE_HZ // 1000
+        self._warmup_frames = math.ceil(_WARMUP_MS / config.frame_ms)
+
+    def voiced(self, frame: npt.NDArray[np.float32], in_speech: bool) -> tuple[bool, bool]:
+        """(the verdict, whether it counts yet). webrtcvad accepts only 10, 20 or 30 ms frames
+        of 16-bit mono PCM at 8, 16, 32 or 48 kHz; VadConfig limits frame_ms to those and
+        ingest resamples to 16 kHz."""
+        pcm = pcm_s16le_bytes(frame)
+        heard = self._classify(pcm)
+        if self._warmup_frames:
+            if pcm.count(0) != len(pcm):
+                self._warmup_frames -= 1
+            return heard, False
+        return heard, True
+
+
+class FrameVoicing(Protocol):
+    """One stream's verdict on each frame of its audio: webrtcvad's (``WebrtcVoicing``) or
+    Silero's (``server.turns.silero_vad.SileroVoicing``)."""
+
+    @property
+    def frame_samples(self) -> int:
+        """The frame the detector takes, in 16 kHz samples."""
+        ...
+
+    def voiced(self, frame: npt.NDArray[np.float32], in_speech: bool) -> tuple[bool, bool]:
+        """Whether ``frame`` is speech (``in_speech``: an utterance is open, for a detector
+        with hysteresis), and whether that verdict counts yet (a detector that must hear
+        audio before it can be trusted says False until then)."""
+        ...
+
+
+class VadSegmenter:
+    """Frames a 16 kHz float32 stream for a voice activity detector (webrtcvad unless
+    ``voicing`` names another) and turns its verdicts into utterances.
+
+    Feed any number of samples at a time with ``receive``; incomplete frames wait for the next
+    call. Events come out in stream order, a ``SpeechStarted`` always followed by exactly one
+    ``SpeechEnded`` before the next ``SpeechStarted``.
+    """
+
+    def __init__(
+        self,
+        config: VadConfig,
+        classifier: FrameClassifier | None = None,
+        *,
+        voicing: FrameVoicing | None = None,
+    ) -> None:
+        self._voicing = voicing or WebrtcVoicing(config, classifier)
+        self._frame_len = self._voicing.frame_samples
+        frame_ms = self._frame_len * 1000 / SAMPLE_RATE_HZ
         # Durations become whole frames, rounded up so a threshold is never undercut.
-        self._start_frames = math.ceil(config.speech_start_ms / config.frame_ms)
-        window_frames = max(
-            math.ceil(config.speech_start_window_ms / config.frame_ms), self._start_frames
-        )
-        self._end_frames = math.ceil(config.speech_end_silence_ms / config.frame_ms)
+        self._start_frames = math.ceil(config.speech_start_ms / frame_ms)
+        window_frames = max(math.ceil(config.speech_start_window_ms / frame_ms), self._start_frames)
+        self._end_frames = math.ceil(config.speech_end_silence_ms / frame_ms)
         self._short_end_frames = max(
-            self._end_frames, math.ceil(config.short_speech_end_silence_ms / config.frame_ms)
+            self._end_frames, math.ceil(config.short_speech_end_silence_ms / frame_ms)
         )
         self._short_speech = round(config.short_speech_s * SAMPLE_RATE_HZ)
         self._pad = config.speech_pad_ms * SAMPLE_RATE_HZ // 1000
-        self._warmup_frames = math.ceil(_WARMUP_MS / config.frame_ms)
         self._voiced_run_start: int | None = None  # first frame of the current raw-voiced run
         self._pending = np.zeros(0, dtype=np.float32)
         self._processed = 0  # real (not zero-padded) samples that went through the VAD
@@ -167,27 +212,19 @@ class VadSegmenter:
         return events
 
     def _process(self, samples: npt.NDArray[np.float32], real: int) -> list[VadEvent]:
-        """Run whole frames through webrtcvad; only the first ``real`` samples are audio."""
+        """Run whole frames through the detector; only the first ``real`` samples are audio."""
         events: list[VadEvent] = []
-        pcm = pcm_s16le_bytes(samples)
-        frame_bytes = 2 * self._frame_len
-        for offset in range(0, len(pcm), frame_bytes):
+        for offset in range(0, samples.size, self._frame_len):
             start = self._processed
-            length = min(self._frame_len, real - offset // 2)
-            # webrtcvad accepts only 10, 20 or 30 ms frames of 16-bit mono PCM at 8, 16, 32
-            # or 48 kHz; VadConfig limits frame_ms to those and ingest resamples to 16 kHz.
-            frame = pcm[offset : offset + frame_bytes]
-            voiced = self._classify(frame)
-            self._processed += length
-            if voiced:
+            frame = samples[offset : offset + self._frame_len]
+            heard, counts = self._voicing.voiced(frame, self._in_speech)
+            self._processed += min(self._frame_len, real - offset)
+            if heard:
                 if self._voiced_run_start is None:
                     self._voiced_run_start = start
             else:
                 self._voiced_run_start = None
-            if self._warmup_frames:
-                if frame.count(0) != len(frame):
-                    self._warmup_frames -= 1
-                voiced = False
+            voiced = heard and counts
             if voiced:
                 if self._voiced and self._voiced[-1][1] == start:
                     self._voiced[-1][1] = self._processed
@@ -214,7 +251,7 @@ class VadSegmenter:
             return None
         onset = next(start for start, v in self._window if v)
         if self._voiced_run_start is not None:
-            # Only differs after warm-up: speech from the first sample keeps its onset.
+            # Only differs after a warm-up: speech from the first sample keeps its onset.
             onset = min(onset, self._voiced_run_start)
         start_sample = max(onset - self._pad, 0, self._last_end)
         self._onset = onset

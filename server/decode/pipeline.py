@@ -62,6 +62,7 @@ import itertools
 import logging
 import operator
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ from server.core.engine_api import (
 from server.core.session import DecodeJob
 from server.core.speakers import EmbedJob, SpeakerEmbedder
 from server.core.turns import TurnJob, TurnScorer
+from server.core.vad import FrameVoicing
 from server.decode.calibration import speech_windows
 from server.decode.capacity import CapacityModel
 from server.decode.lanes import EngineCall, LaneLost, ProcessLane, ThreadLane
@@ -168,6 +170,15 @@ _CALIBRATION_LONG = 2.0
 # first call's allocations at a new size: tiny.en on a 2-core CPU took 0.37 s for its first
 # 4 s window of speech after warmup, 0.25 s for the next), never less than the call costs.
 _CALIBRATION_REPEATS = 2
+# What each calibration shape cost, per loaded engine object. A program that starts servers one
+# after another on one engine in one process (an application that embeds the server, the tests,
+# the benchmarks) times it once: the same engine on the same CPU costs what it cost a minute
+# ago, and the live fit follows the clients' calls either way. Keyed by the shape: its windows,
+# how many windows its batch is spread over, their audio seconds, and the clock it was timed on.
+_CalibrationShape = tuple[tuple[int, ...], int, float, bool]
+_CALIBRATED: weakref.WeakKeyDictionary[SpeechEngine, dict[_CalibrationShape, float]] = (
+    weakref.WeakKeyDictionary()
+)
 # A window in flight on lanes that died this many times fails instead of going round again:
 # it may be what kills them.
 _MAX_LOST_LANES = 2
@@ -212,6 +223,9 @@ class Pipeline:
         # The turn model (Smart Turn), when streams ask for conversational turns: one call per
         # pause, tens of milliseconds, in a thread of its own beside the decode lanes.
         self.turn_model: TurnScorer | None = None
+        # Makes each stream's voice activity detector where it is not webrtcvad (Silero's,
+        # whose network all streams share: ``--vad silero``); None: webrtcvad.
+        self.frame_voicing: Callable[[], FrameVoicing] | None = None
         self._turns_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whisperwire-turns")
         self._embed_waiting: list[tuple[EmbedJob, asyncio.Future[Float32Array]]] = []
         self._embed_batch: list[asyncio.Future[Float32Array]] = []  # the batch in the thread
@@ -281,7 +295,7 @@ class Pipeline:
                 *(lane.call(operator.methodcaller("warmup")) for lane in live)
             )
             logger.info("warmed up %s on %d lane(s) in %.2f s", engine.name, len(spent), max(spent))
-            await self._calibrate(home)
+            await self._calibrate(home, engine)
         self._engine = engine
         self._update_lanes()
         self._scheduler = asyncio.create_task(self._schedule(), name="whisperwire-scheduler")
@@ -426,29 +440,45 @@ class Pipeline:
         self._speakers_pool.shutdown(wait=False, cancel_futures=True)
         self._turns_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _calibrate(self, lane: ThreadLane) -> None:
+    async def _calibrate(self, lane: ThreadLane, engine: SpeechEngine) -> None:
         """Time a few engine calls on speech windows into the capacity model (after warmup:
-        first-call costs would inflate them). The lanes are alike; one is timed. Unless an
-        operator set them (``--capacity``), the seeds' own figures bound the estimates
+        first-call costs would inflate them). The lanes are alike; one is timed, unless this
+        process timed ``engine`` before (``_CALIBRATED``). Unless an operator set them
+        (``--capacity``), the seeds' own figures bound the estimates
         (``CapacityModel.bound_by_calibration``)."""
         self._update_lanes()  # the seeds' estimate is of every lane that started
         window_s = self.capacity.typical_window_s
         size = min(_CALIBRATION_BATCH, self.config.max_batch_size)
-        alone = [await self._seed(lane, (k,), size, window_s) for k in range(size)]
-        await self._seed(lane, (0,), 1, window_s * _CALIBRATION_LONG)
+        timed = _CALIBRATED.setdefault(engine, {})
+
+        async def seed(picks: tuple[int, ...], spread: int, audio_s: float) -> float | None:
+            shape = (picks, spread, audio_s, self.config.calibrate_on_cpu_time)
+            cost_s = timed.get(shape)
+            if cost_s is None:
+                cost_s = await self._time_shape(lane, picks, spread, audio_s)
+            if cost_s is not None:
+                timed[shape] = cost_s
+                self.capacity.seed([audio_s] * len(picks), cost_s)
+            return cost_s
+
+        before = len(timed)
+        alone = [await seed((k,), size, window_s) for k in range(size)]
+        await seed((0,), 1, window_s * _CALIBRATION_LONG)
         if size > 1:
-            together = await self._seed(lane, tuple(range(size)), size, window_s)
-            timed = [s for s in alone if s is not None]
-            if together is not None and len(timed) == size:
-                self.capacity.seed_batch(timed, together)
+            together = await seed(tuple(range(size)), size, window_s)
+            each = [s for s in alone if s is not None]
+            if together is not None and len(each) == size:
+                self.capacity.seed_batch(each, together)
         self.capacity.bound_by_calibration()
+        if before and len(timed) == before:
+            logger.info("capacity model: %s calibrated earlier in this process", engine.name)
         logger.info("capacity model: %s", self.capacity.explain(limit=1 << 16))
 
-    async def _seed(
+    async def _time_shape(
         self, lane: ThreadLane, picks: tuple[int, ...], spread: int, audio_s: float
     ) -> float | None:
-        """One calibration shape (``_calibration_run``), timed ``_CALIBRATION_REPEATS`` times
-        into the capacity model; its cheapest cost, None where a run failed."""
+        """One calibration shape (``_calibration_run``) timed ``_CALIBRATION_REPEATS`` times:
+        its cheapest cost, None where a run failed."""
         call = functools.partial(
             _calibration_run,
             picks=picks,
@@ -464,9 +494,7 @@ class Pipeline:
                 len(picks),
             )
             return None
-        cost_s = min(run.elapsed_s for run in runs)
-        self.capacity.seed([audio_s] * len(picks), cost_s)
-        return cost_s
+        return min(run.elapsed_s for run in runs)
 
     def _update_lanes(self) -> None:
         lanes = self.lanes

@@ -42,12 +42,20 @@ def _hann() -> npt.NDArray[np.float64]:
     return np.hanning(N_FFT + 1)[:-1]
 
 
+DYNAMIC_RANGE_DECADES = 8.0  # Whisper floors the log-mel this many decades below its maximum
+
+
 def log_mel_spectrogram(audio: Float32Array, n_mels: int = 80, padding: int = 0) -> Float32Array:
     """Log-mel features of 16 kHz mono audio, shape (frames, n_mels), frames = len // 160.
 
     ``padding`` zero samples are appended first (Whisper pads with 30 s of silence so the last
     frames see a full window).
     """
+    return scale_log_mel(log10_mel(audio, n_mels, padding))
+
+
+def log10_mel(audio: Float32Array, n_mels: int = 80, padding: int = 0) -> Float32Array:
+    """The mel power of 16 kHz mono audio in log10, before Whisper's floor and scaling."""
     x = np.asarray(audio, dtype=np.float32)
     if padding > 0:
         x = np.concatenate([x, np.zeros(padding, dtype=np.float32)])
@@ -62,7 +70,15 @@ def log_mel_spectrogram(audio: Float32Array, n_mels: int = 80, padding: int = 0)
     spectrum = np.fft.rfft(frames * _hann(), axis=-1)
     power = (spectrum.real**2 + spectrum.imag**2)[:-1].astype(np.float32)
     mel = power @ mel_filters(n_mels).T
-    log_spec = np.log10(np.maximum(mel, 1e-10))
-    log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
-    out: Float32Array = ((log_spec + 4.0) / 4.0).astype(np.float32)
+    out: Float32Array = np.log10(np.maximum(mel, 1e-10)).astype(np.float32)
+    return out
+
+
+def scale_log_mel(
+    log_spec: Float32Array, dynamic_range_decades: float = DYNAMIC_RANGE_DECADES
+) -> Float32Array:
+    """Whisper's floor (``dynamic_range_decades`` below the maximum) and scaling to about
+    [-1, 1], applied to a ``log10_mel``."""
+    floored = np.maximum(log_spec, log_spec.max() - dynamic_range_decades)
+    out: Float32Array = ((floored + 4.0) / 4.0).astype(np.float32)
     return out

@@ -121,6 +121,13 @@ class WhisperwireServer:
             self.pipeline.speakers = SpeakerEncoder.load()
         self.pipeline.turn_model = find_turn_model()
         self.vad = vad or VadConfig()
+        if self.vad.detector == "silero":
+            from server.turns.silero_vad import SileroModel, SileroVoicing
+
+            # Loaded now: a missing model stops the start with its install hint.
+            silero = SileroModel()
+            self.pipeline.frame_voicing = functools.partial(SileroVoicing, silero)
+            logger.info("voice activity: Silero VAD (%s)", silero.path)
         self._load_engine = load_engine
         self.rest = RestApp(self)
         self._connections: set[ServedStream] = set()

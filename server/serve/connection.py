@@ -168,6 +168,7 @@ class Connection:
             multilingual=engine.dims.is_multilingual,
             model=engine.name,
             turn_model=self.pipeline.turn_model is not None,
+            frame_voicing=self.pipeline.frame_voicing,
         )
         return self.adapter.open_session(settings, self.ws.request)
 

@@ -401,6 +401,7 @@ class WyomingConnection:
             streaming=host.streaming,
             vad=host.vad,
             multilingual=engine.dims.is_multilingual,
+            frame_voicing=host.pipeline.frame_voicing,
         )
         language = self._language or session.language
         self._language = None  # a transcribe applies to the transcription that follows it
