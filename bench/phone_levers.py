@@ -55,11 +55,10 @@ from typing import Any
 import numpy as np
 import soxr
 
-from bench.accuracy_metrics import count_errors
 from bench.corpus import ManifestRow, read_manifest
 from bench.engine import RESULTS, Float32Array, load_speech, speech_dir, write_results
 from bench.phone_line import PHONE_BAND_HZ, PHONE_RATE_HZ, band_pass, phone_line
-from bench.telephony import LAW, decode_line, hard_rows, paired_bootstrap
+from bench.telephony import LAW, clip_row, decode_line, hard_rows, paired_bootstrap
 from server.core.engine_api import DecodeOptions
 from server.core.long_form import LongForm
 from server.engine import engine as engine_module
@@ -311,16 +310,6 @@ def transcribe(
     return loop.transcript().text
 
 
-def row_for(clip: Clip, text: str) -> dict[str, Any]:
-    counts = count_errors(clip.row.transcript, text)
-    return {
-        "file": clip.row.file,
-        "ref_words": counts.ref_words,
-        "errors": counts.errors,
-        "text": text,
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     names = [lever.name for lever in LEVERS]
@@ -359,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         with front_end(lever):
             for clip in clips:
                 text = transcribe(engine, audio_for(lever, clip, wide), prompt, lever.beam_size)
-                out.append(row_for(clip, text))
+                out.append(clip_row(clip.row, text))
         data["clips"][name] = out
         errors = sum(r["errors"] for r in out)
         words = sum(r["ref_words"] for r in out)

@@ -125,15 +125,16 @@ def stream(
         decode_cost_s=lambda job: cost_scale * modelled_cost_s(job),
         wire=(AudioFormat(PHONE_RATE_HZ, LAW), clip.line) if phone else None,
     )
-    return _row(clip, result.text) | {
+    return clip_row(clip.row, result.text) | {
         "final_latencies_s": [round(x, 3) for x in result.final_latencies_s()]
     }
 
 
-def _row(clip: Clip, text: str) -> dict[str, Any]:
-    counts = count_errors(clip.row.transcript, text)
+def clip_row(row: ManifestRow, text: str) -> dict[str, Any]:
+    """A clip's figures in the results: its file, reference words, errors and text."""
+    counts = count_errors(row.transcript, text)
     return {
-        "file": clip.row.file,
+        "file": row.file,
         "ref_words": counts.ref_words,
         "errors": counts.errors,
         "text": text,
@@ -292,9 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         measure("phone", lambda c: stream(engine, c, phone=True))
     if not args.no_references:
         measure(
-            "phone_offline", lambda c: _row(c, transcribe_audio(engine, decode_line(c.line)).text)
+            "phone_offline",
+            lambda c: clip_row(c.row, transcribe_audio(engine, decode_line(c.line)).text),
         )
-        measure("wide_offline", lambda c: _row(c, transcribe_audio(engine, c.audio).text))
+        measure("wide_offline", lambda c: clip_row(c.row, transcribe_audio(engine, c.audio).text))
     for scale in scales:
         measure(
             f"phone_x{scale}",
