@@ -67,7 +67,7 @@ from bench.engine import RESULTS, Float32Array, load_speech, speech_dir, write_r
 from bench.replay import Replay, TimedAdapter, WhisperwireAdapter, replay
 from bench.server_process import ServerProcess, free_port, http_ok
 from bench.simulate import SimulationResult, TimedEvent, simulate, utterance_last_words
-from server.config import StreamingConfig, VadConfig
+from server.config import StreamingConfig, VadConfig, with_setting
 from server.core.engine_api import DecodeOptions
 from server.core.policy import CommitConfig
 from server.core.session import DecodeJob
@@ -101,9 +101,18 @@ def _overrides(pairs: list[str]) -> tuple[StreamingConfig, CommitConfig, VadConf
                 f"got {pair}"
             )
         target[name] = json.loads(raw)
-    commit = CommitConfig(**sections["commit"])
-    streaming = StreamingConfig(commit=commit, **sections["streaming"])
-    return streaming, commit, VadConfig(**sections["vad"])
+    try:
+        commit = CommitConfig(**sections["commit"])
+        # Dotted names reach nested settings: streaming.rules.bare_prompt.min_words=12.
+        streaming = StreamingConfig(commit=commit)
+        for name, value in sections["streaming"].items():
+            streaming = with_setting(streaming, name, value)
+        vad = VadConfig()
+        for name, value in sections["vad"].items():
+            vad = with_setting(vad, name, value)
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"--set: {exc}") from exc
+    return streaming, streaming.commit, vad
 
 
 def modelled_cost_s(job: DecodeJob) -> float:

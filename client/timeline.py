@@ -86,19 +86,31 @@ def _comparable(word: str) -> str:
     return "".join(ch for ch in word.casefold() if ch.isalnum())
 
 
+def _reads_as(key: str, seam_key: str) -> bool:
+    """Whether a word (``_comparable``) reads as a seam word: the same, or the same stem with
+    up to two letters more or fewer ("book" for "books"): two sessions' decodes of one word
+    differ so, and its time differs too, so the seam's time alone does not catch it."""
+    short, long = sorted((key, seam_key), key=len)
+    return key == seam_key or (
+        len(short) >= 3 and long.startswith(short) and len(long) - len(short) <= 2
+    )
+
+
 def seam_repeat_count(words: Sequence[WordInfo], seam: Sequence[WordInfo]) -> int:
     """How many opening ``words`` of a session's first final repeat ``seam``, the final words
     it began at (both on the source's timeline): the leading run of words that each either
-    read as a seam word, in the seam's order (one it did not hear may be skipped), or end
-    within the seam's time (a seam word heard as another, a tail of the word before it)."""
+    read as a seam word (``_reads_as``), in the seam's order (one it did not hear may be
+    skipped), or end within the seam's time (a seam word heard as another, a tail of the word
+    before it)."""
     keys = [_comparable(w.word) for w in seam]
     seam_end_s = seam[-1].end + SEAM_END_TOLERANCE_S if seam else 0.0
     matched = 0  # seam words read so far
     count = 0
     for word in words:
         key = _comparable(word.word)
-        if key in keys[matched:]:
-            matched = keys.index(key, matched) + 1
+        at = next((k for k in range(matched, len(keys)) if _reads_as(key, keys[k])), None)
+        if at is not None:
+            matched = at + 1
         elif word.end > seam_end_s:
             break
         count += 1

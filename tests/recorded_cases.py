@@ -10,6 +10,7 @@ a session that asks for a decode the real run did not make fails with ``Diverged
 pins a rule's behaviour on the speech that once needed it, in a fraction of a second.
 
     python -m tests.recorded_cases record NAME CLIP [--finals words] [--no-spare-lane]
+        [--set FIELD=JSON ...] [--cost-s S] [--first-s S]
     python -m tests.recorded_cases scan [--finals words]   # which rules fire on which clip
 """
 
@@ -30,7 +31,6 @@ from bench.simulate import SimulationResult, simulate
 from server.config import StreamingConfig
 from server.core.engine_api import DecodeResult, StopReason, WordTiming
 from server.core.jobs import DecodeJob
-from server.core.rules import RulesConfig
 from server.protocol.formats import SAMPLE_RATE_HZ
 
 CASES = Path(__file__).parent / "fixtures" / "cases"
@@ -54,6 +54,19 @@ class Case:
     decodes: list[dict[str, Any]]  # the window each decode heard, and its result
     finals_seen: list[list[Any]]  # [text, start, end] of each final of the real run
     rules_fired: dict[str, int]
+    # StreamingConfig fields the run set besides ``finals`` (JSON values), e.g. a short cap.
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Every decode's cost in seconds; None: ``modelled_cost_s``. A cost far above the audio's
+    # length is a stream whose audio all arrives before its first decode ends.
+    cost_s: float | None = None
+
+    def streaming(self, **overrides: Any) -> StreamingConfig:
+        """The run's streaming settings, with ``overrides`` (e.g. a rule switched off)."""
+        return StreamingConfig(**{"finals": self.finals, **self.settings, **overrides})
+
+    def decode_cost_s(self) -> Callable[[DecodeJob], float]:
+        cost_s = self.cost_s
+        return modelled_cost_s if cost_s is None else (lambda job: cost_s)
 
     @classmethod
     def load(cls, name: str) -> Case:
@@ -119,9 +132,10 @@ class _NoEngine:
     dims = _Shape()
 
 
-def replay(case: Case, *, rules: RulesConfig | None = None) -> tuple[SimulationResult, Any]:
-    """Stream ``case`` through a fresh session (``rules``: instead of the defaults); returns
-    the simulation and the session's rule counts. Raises ``Diverged``."""
+def replay(case: Case, **overrides: Any) -> tuple[SimulationResult, Any]:
+    """Stream ``case`` through a fresh session (``overrides``: StreamingConfig fields instead
+    of the run's, e.g. ``rules``); returns the simulation and the session's rule counts.
+    Raises ``Diverged``."""
     verdicts = iter(case.verdicts)
     decodes = iter(case.decodes)
 
@@ -138,12 +152,11 @@ def replay(case: Case, *, rules: RulesConfig | None = None) -> tuple[SimulationR
         return _result_from_json(recorded["result"])
 
     counts: dict[str, int] = {}
-    streaming = StreamingConfig(finals=case.finals, rules=rules or RulesConfig())
     result = simulate(
         _NoEngine(),  # type: ignore[arg-type]
         np.full(case.samples, REPLAY_LEVEL, dtype=np.float32),
-        streaming=streaming,
-        decode_cost_s=modelled_cost_s,
+        streaming=case.streaming(**overrides),
+        decode_cost_s=case.decode_cost_s(),
         spare_lane=case.spare_lane,
         decoder=decode,
         on_session=lambda s: counts.update(s.rule_counts),
@@ -152,9 +165,19 @@ def replay(case: Case, *, rules: RulesConfig | None = None) -> tuple[SimulationR
     return result, counts
 
 
-def record(name: str, clip: str, *, finals: str, spare_lane: bool) -> Case:
-    """Run ``clip`` through the real model and webrtcvad, at the modelled cost, and keep what
-    a replay needs."""
+def record(
+    name: str,
+    clip: str,
+    *,
+    finals: str,
+    spare_lane: bool,
+    settings: dict[str, Any] | None = None,
+    cost_s: float | None = None,
+    first_s: float | None = None,
+) -> Case:
+    """Run ``clip`` (its first ``first_s`` seconds, or all of it) through the real model and
+    webrtcvad, at the modelled cost (or ``cost_s`` a decode) with ``settings``
+    (StreamingConfig fields), and keep what a replay needs."""
     import webrtcvad
 
     from bench.ablation import DEFAULT_CACHE, DecodeCache
@@ -179,12 +202,16 @@ def record(name: str, clip: str, *, finals: str, spare_lane: bool) -> Case:
         return result
 
     audio = load_speech(clip)
+    if first_s is not None:
+        audio = audio[: round(first_s * SAMPLE_RATE_HZ)]
+        clip = f"{clip} (its first {first_s:g} s)"
     counts: dict[str, int] = {}
+    shape = Case(name, clip, finals, spare_lane, 0, "", [], [], {}, settings or {}, cost_s)
     result = simulate(
         engine,
         audio,
-        streaming=StreamingConfig(finals=finals),
-        decode_cost_s=modelled_cost_s,
+        streaming=shape.streaming(),
+        decode_cost_s=shape.decode_cost_s(),
         spare_lane=spare_lane,
         decoder=decode,
         on_session=lambda s: counts.update(s.rule_counts),
@@ -200,6 +227,8 @@ def record(name: str, clip: str, *, finals: str, spare_lane: bool) -> Case:
         decodes,
         _finals(result),
         counts,
+        shape.settings,
+        cost_s,
     )
 
 
@@ -236,12 +265,24 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("clip")
     rec.add_argument("--finals", default="utterance")
     rec.add_argument("--no-spare-lane", action="store_true")
+    rec.add_argument("--set", action="append", default=[], help="FIELD=JSON (StreamingConfig)")
+    rec.add_argument("--cost-s", type=float, help="every decode's cost (default: modelled)")
+    rec.add_argument("--first-s", type=float, help="only the clip's first seconds")
     sc = sub.add_parser("scan")
     sc.add_argument("--finals", default="utterance")
     sc.add_argument("--match", default="test-other")
     args = parser.parse_args(argv)
     if args.command == "record":
-        case = record(args.name, args.clip, finals=args.finals, spare_lane=not args.no_spare_lane)
+        settings = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
+        case = record(
+            args.name,
+            args.clip,
+            finals=args.finals,
+            spare_lane=not args.no_spare_lane,
+            settings=settings,
+            cost_s=args.cost_s,
+            first_s=args.first_s,
+        )
         print(f"wrote {case.save()}: {len(case.decodes)} decodes, rules {case.rules_fired}")
         return 0
     from bench.ablation import DEFAULT_CACHE, DecodeCache

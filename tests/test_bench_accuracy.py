@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.accuracy import read_offline_cache, served_clip
+import pytest
+
+from bench.accuracy import _overrides, read_offline_cache, served_clip
 from bench.accuracy_metrics import (
     DIFFICULTIES,
     LOCATIONS,
@@ -317,3 +319,19 @@ def test_a_served_clip_is_timed_from_when_its_audio_was_sent() -> None:
     assert [round(x, 3) for x in clip.end_of_speech_to_final_s] == [1.6]
     assert clip.first_partial_s is not None and round(clip.first_partial_s, 3) == 0.7
     assert clip.flicker == (1, 5)
+
+
+def test_set_reaches_nested_settings_and_names_a_wrong_one() -> None:
+    streaming, commit, vad = _overrides(
+        [
+            "streaming.rules.bare_prompt.min_words=12",
+            "streaming.clause_cut_s=4",
+            "commit.min_right_context_s=0.5",
+            'vad.detector="silero"',
+        ]
+    )
+    assert streaming.rules.bare_prompt.min_words == 12 and streaming.clause_cut_s == 4
+    assert commit.min_right_context_s == streaming.commit.min_right_context_s == 0.5
+    assert vad.detector == "silero"
+    with pytest.raises(SystemExit, match="no setting 'bare_promt'"):
+        _overrides(["streaming.rules.bare_promt.min_words=12"])

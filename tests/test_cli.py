@@ -6,7 +6,9 @@ Serving itself is tested end to end in tests/test_app.py (SIGTERM, a model that 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -196,3 +198,24 @@ def test_the_vad_is_webrtcvad_unless_silero_is_named(capsys: pytest.CaptureFixtu
     assert "invalid choice: 'energy'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="detector must be one of webrtcvad, silero"):
         VadConfig(detector="energy")
+
+
+def test_every_flag_and_its_group_are_in_the_configuration_reference() -> None:
+    """docs/configuration.md is the reference the README sends users to: a flag added to the
+    parser without a row there would be a flag no user can find but by reading --help."""
+    reference = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    rows = {line.split("|")[1] for line in reference.splitlines() if line.startswith("| `--")}
+    documented = {flag for row in rows for flag in re.findall(r"`(--[a-z0-9-]+)", row)}
+    parser = build_parser()
+    flags = {
+        flag
+        for action in parser._actions
+        for flag in action.option_strings
+        if flag.startswith("--") and flag != "--help"
+    }
+    assert flags - documented == set()
+    assert documented - flags == set()
+    for group in parser._action_groups:
+        if group._group_actions and group.title not in ("options", "positional arguments"):
+            heading = group.title.split(" (")[0]
+            assert f"\n## {heading}" in reference

@@ -92,3 +92,14 @@ def test_words_heard_inside_the_seams_time_are_dropped_whatever_they_were_heard_
     # A new word that reads as a seam word once the seam's were read is new.
     again = heard(("similar", 6.0, 6.4), ("process", 6.5, 6.9), ("process", 7.0, 7.4))
     assert drop_seam_repeat(again, seam, 5.75).text == "process"
+
+
+def test_a_seam_word_heard_with_another_ending_is_dropped_wherever_its_time_falls() -> None:
+    """The later session may read the last seam word with a letter more or less ("book" for
+    "books") and place it later than the seam's end: it is still the seam word (a page once
+    showed "the block books book which"). A word that only begins like it is not."""
+    seam = (WordInfo("block", 6.0, 6.4, 0.9), WordInfo("books,", 6.5, 6.9, 0.9))
+    late = heard(("block", 6.0, 6.4), ("book", 6.6, 7.1), ("which", 7.2, 7.5))
+    assert drop_seam_repeat(late, seam, 5.75).text == "which"
+    other = heard(("block", 6.0, 6.4), ("bookshelves", 6.6, 7.1), ("which", 7.2, 7.5))
+    assert drop_seam_repeat(other, seam, 5.75).text == "bookshelves which"

@@ -697,6 +697,13 @@
     return 0;
   }
 
+  // Whether a word reads as a seam word (both `comparable`): the same, or the same stem with
+  // up to two letters more or fewer ("book" for "books"); client/timeline.py _reads_as.
+  function readsAs(key, seamKey) {
+    const [short, long] = key.length <= seamKey.length ? [key, seamKey] : [seamKey, key];
+    return key === seamKey || (short.length >= 3 && long.startsWith(short) && long.length - short.length <= 2);
+  }
+
   // How many opening `words` ({word, end} on the page's timeline) of a session's first final
   // repeat `seam`: each reads as a seam word, in the seam's order (one may be skipped), or
   // ends within the seam's time; client/timeline.py seam_repeat_count.
@@ -706,7 +713,9 @@
     let matched = 0;
     let count = 0;
     for (const w of words) {
-      const at = keys.indexOf(comparable(w.word), matched);
+      const key = comparable(w.word);
+      let at = -1;
+      for (let k = matched; k < keys.length && at < 0; k++) if (readsAs(key, keys[k])) at = k;
       if (at >= 0) matched = at + 1;
       else if (w.end > seamEnd) break;
       count += 1;
