@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # carry more than two workers. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 3
 
-.PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-gpu bench-beam bench-streaming bench-capacity bench-speakers bench-uploads bench-vocabulary bench-punctuation clean
+.PHONY: install run test check lint browser haproxy bench bench-engine bench-decoder bench-gpu bench-beam bench-streaming bench-capacity bench-speakers bench-uploads bench-vocabulary bench-punctuation bench-punctuation-served clean
 .PHONY: peer bench-latency bench-accuracy bench-ablation bench-turns bench-wyoming bench-served bench-telephony tmux bench-turn-model bench-vad bench-ttfs
 
 install: $(STAMP)
@@ -151,6 +151,9 @@ bench-telephony: $(STAMP)
 # the last spoken word, on every English long recording. BENCH_PUNCTUATION_ARGS: e.g. --short
 bench-punctuation: $(STAMP)
 	$(PY) -m bench.punctuation $(BENCH_PUNCTUATION_ARGS)
+
+bench-punctuation-served: $(STAMP)
+	$(PY) -m bench.punctuation_served $(BENCH_PUNCTUATION_SERVED_ARGS)
 
 bench-served: $(STAMP)
 	$(PY) -m bench.served $(BENCH_SERVED_ARGS)

@@ -13,7 +13,7 @@ from typing import Any
 
 import jiwer
 
-from bench.corpus import normalize
+from bench.corpus import normalize, normalize_reference
 from server.protocol.messages import WordInfo
 
 # What each clip is held against the reference with: the simulated stream, offline greedy
@@ -53,7 +53,7 @@ class Counts:
 
 
 def count_errors(reference: str, hypothesis: str) -> Counts:
-    ref, hyp = normalize(reference), normalize(hypothesis)
+    ref, hyp = normalize_reference(reference), normalize(hypothesis)
     if not ref:
         return Counts(0, 0, 0, len(hyp.split()), len(hyp.split()))
     out = jiwer.process_words(ref, hyp)
@@ -147,7 +147,7 @@ def locate_errors(
     found; with no hypothesis word at all, only the clip's last word is ``last_word`` and the
     rest are ``middle``.
     """
-    ref = normalize(reference).split()
+    ref = normalize_reference(reference).split()
     hyp = normalize(hypothesis).split()
     times = token_times(words, hyp)
     starts = sorted(onsets_s) or [times[0][0] if times else 0.0]

@@ -74,6 +74,14 @@ def normalize(text: str) -> str:
     return " ".join(str(_normalizer()(text)).split())
 
 
+def normalize_reference(text: str) -> str:
+    """A reference transcript normalised as ``normalize`` does, keeping the words it holds in
+    brackets: Whisper's normaliser drops a bracketed stretch as an annotation ("(laughs)"),
+    but in a reference it was read aloud ("(which also was printed at Maintz ...)"), and
+    dropped it would count the words heard for it as errors, after the last word too."""
+    return normalize(text.replace("(", " ").replace(")", " "))
+
+
 def wer(reference: str | list[str], hypothesis: str | list[str]) -> float:
     """Word error rate after Whisper's English normalisation of both sides.
 
@@ -83,7 +91,7 @@ def wer(reference: str | list[str], hypothesis: str | list[str]) -> float:
     hyps = [hypothesis] if isinstance(hypothesis, str) else list(hypothesis)
     if len(refs) != len(hyps):
         raise ValueError(f"{len(refs)} references but {len(hyps)} hypotheses")
-    norm_refs = [normalize(r) for r in refs]
+    norm_refs = [normalize_reference(r) for r in refs]
     norm_hyps = [normalize(h) for h in hyps]
     # jiwer rejects empty references; they carry no words to get wrong, only insertions.
     pairs = [(r, h) for r, h in zip(norm_refs, norm_hyps, strict=True) if r]

@@ -23,9 +23,9 @@ streamed too, for their trailing insertions only.
 Each recording is streamed through ``Session`` at the modelled decode cost
 (``bench.accuracy.modelled_cost_s``), so the text is the same on every run; decodes are kept
 in ``--cache`` (``bench.ablation.DecodeCache``) and offline transcripts in
-``--offline-cache``, so a rerun decodes only what a change moved. One stream at a time (4
-concurrent streams are not simulated here). Writes ``bench/results/punctuation.json``
-(``--out NAME``) and prints one table.
+``--offline-cache``, so a rerun decodes only what a change moved. One stream at a time:
+``bench.punctuation_served`` streams them through a real server, several at once. Writes
+``bench/results/punctuation.json`` (``--out NAME``) and prints one table.
 """
 
 from __future__ import annotations
@@ -194,11 +194,34 @@ def punctuated(reference: str) -> bool:
     return any(ch in reference for ch in ".,?!") and reference != reference.upper()
 
 
-def _p95(values: Sequence[float]) -> float | None:
+def p95(values: Sequence[float]) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
     return round(ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))], 3)
+
+
+def error_fields(reference: str, text: str, offline: str) -> dict[str, int | None]:
+    """Errors and words after the last reference word, streamed and offline; None for each
+    without a reference (a recording cut short)."""
+    if not reference:
+        return dict.fromkeys(
+            (
+                "errors",
+                "errors_offline",
+                "ref_words",
+                "trailing_insertions",
+                "trailing_insertions_offline",
+            )
+        )
+    streamed, off = count_errors(reference, text), count_errors(reference, offline)
+    return {
+        "errors": streamed.errors,
+        "errors_offline": off.errors,
+        "ref_words": streamed.ref_words,
+        "trailing_insertions": streamed.trailing_insertions,
+        "trailing_insertions_offline": off.trailing_insertions,
+    }
 
 
 def run_recording(
@@ -223,18 +246,11 @@ def run_recording(
         on_session=lambda s: fired.update(s.rule_counts),
     )
     text = result.text
-    # No reference (a recording cut short): no errors, nor words after its last word.
-    streamed = count_errors(reference, text) if reference else None
-    off = count_errors(reference, offline) if reference else None
     row: dict[str, Any] = {
         "audio_s": round(audio.shape[0] / SAMPLE_RATE_HZ, 2),
         "long": long,
-        "errors": streamed and streamed.errors,
-        "errors_offline": off and off.errors,
-        "ref_words": streamed and streamed.ref_words,
-        "trailing_insertions": streamed and streamed.trailing_insertions,
-        "trailing_insertions_offline": off and off.trailing_insertions,
-        "final_p95_s": _p95(result.final_latencies_s()),
+        **error_fields(reference, text, offline),
+        "final_p95_s": p95(result.final_latencies_s()),
         "rules_fired": {k: v for k, v in sorted(fired.items()) if not k.startswith("final:")},
         "text": text,
     }
@@ -268,7 +284,7 @@ def _names(rows: Sequence[dict[str, Any]]) -> list[str]:
     return [r["name"] for r in rows]
 
 
-def _line(name: str, row: dict[str, Any]) -> str:
+def recording_line(name: str, row: dict[str, Any]) -> str:
     s, o = row["streamed"], row["offline"]
     ref = row.get("reference")
     ref_part = f"  ref {ref['sentence_ends']:3d} . {ref['commas']:3d} ," if ref else " " * 18
@@ -281,7 +297,7 @@ def _line(name: str, row: dict[str, Any]) -> str:
     )
 
 
-def _pooled_line(summary: dict[str, Any]) -> str:
+def pooled_line(summary: dict[str, Any]) -> str:
     s, o = summary["streamed"], summary["offline"]
     return (
         f"pooled: ends {s['sentence_ends']}/{o['sentence_ends']}"
@@ -319,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode, run in data["runs"].items():
             for row in run["recordings"]:
                 if row["long"]:
-                    print(f"{mode:9s} {_line(row['name'], row)}")
-            print(f"{mode:9s} {_pooled_line(run['pooled'])}")
+                    print(f"{mode:9s} {recording_line(row['name'], row)}")
+            print(f"{mode:9s} {pooled_line(run['pooled'])}")
         return 0
     base, _, _ = _overrides(args.set)
     modes = [m for m in args.modes.split(",") if m]
@@ -369,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[mode].append(row)
             cache.save()
             if long:
-                print(f"{mode:9s} {_line(key, row)}", flush=True)
+                print(f"{mode:9s} {recording_line(key, row)}", flush=True)
         data = {
             "settings": args.set,
             "disabled": args.disable,
@@ -384,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         write_results(args.out, data)
     for mode, mode_rows in rows.items():
-        print(f"{mode:9s} {_pooled_line(pooled(mode_rows))}", flush=True)
+        print(f"{mode:9s} {pooled_line(pooled(mode_rows))}", flush=True)
     print(f"wrote {RESULTS / args.out}.json")
     return 0
 

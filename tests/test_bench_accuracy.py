@@ -23,6 +23,7 @@ from bench.accuracy_metrics import (
     table,
     token_times,
 )
+from bench.corpus import wer
 from bench.replay import Replay
 from bench.simulate import SimulationResult, TimedEvent
 from server.protocol.messages import (
@@ -94,6 +95,17 @@ def test_errors_are_placed_by_their_utterance() -> None:
         "last_word": 1,
         "after_last": counts.trailing_insertions,
     }
+
+
+def test_words_a_reference_holds_in_brackets_were_spoken_and_count() -> None:
+    reference = "But the first Bible actually dated (which also was printed at Maintz)"
+    heard = "But the first Bible actually dated, which also was printed at Maintz."
+    assert count_errors(reference, heard).errors == 0
+    assert wer(reference, heard) == 0.0
+    # In a hypothesis a bracketed stretch is still an annotation, as Whisper's scoring has it.
+    assert count_errors("the sea", "the sea (waves crashing)").errors == 0
+    missing = count_errors(reference, "But the first Bible actually dated.")
+    assert missing.deletions == 6 and missing.trailing_insertions == 0
 
 
 def test_the_clips_last_word_is_a_last_word() -> None:

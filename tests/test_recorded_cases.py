@@ -51,8 +51,8 @@ CASES = {
     # Decodes that looped: the windows after them were decoded without the prompt.
     "looped-decode": Pin("loop_prompt_drop"),
     # LJ Speech read on without a pause, word finals: after a window cut at its cap the
-    # captions ran on without a mark for 24 words; the windows after that were decoded without
-    # that prompt, and the finals got their commas and full stops back.
+    # captions ran on without a mark for 12 words and more; the windows after that were
+    # decoded without that prompt, and the finals got their commas and full stops back.
     "bare-prompt": Pin("bare_prompt_drop"),
     # Per utterance, a 21.5 s utterance whose decodes read a word differently early on: past
     # half the window, the words with ``utterance_settled_context_s`` of audio after them are
@@ -61,7 +61,7 @@ CASES = {
     "settled-context": Pin("utterance_settled_context_s", {"utterance_settled_context_s": 0.0}),
     # Long read sentences at a 4 s window cap, word finals: every cut lands inside speech, and
     # each carries the last two final words into the next window as its forced prefix. Cut at
-    # the last word's end instead, words at the cuts were lost (7 errors against 1 in 58 words
+    # the last word's end instead, words at the cuts were lost (5 errors against 1 in 58 words
     # on these two sentences).
     "carried-words": Pin("cut_carry_words", {"cut_carry_words": 0}),
     "carried-words-2": Pin("cut_carry_words", {"cut_carry_words": 0}),

@@ -62,7 +62,7 @@ class StalledTailConfig:
 class BarePromptConfig:
     # The prompt's last this many words without a sentence or clause mark mean the text lost
     # its punctuation: Whisper copies the style of its prompt, so that text is not passed on.
-    min_words: int = 24
+    min_words: int = 12
 
 
 @dataclass(frozen=True)
