@@ -31,6 +31,7 @@ def test_a_disabled_rule_is_off_and_the_others_on() -> None:
         ("rules.stalled_tail.min_voiced_s", -1.0),
         ("rules.unheard_tail.min_tail_s", -0.5),
         ("rules.bare_prompt.min_words", 0),
+        ("rules.bare_prompt.max_sentence_words", -1),
     ],
 )
 def test_a_rules_knob_is_checked(path: str, value: object) -> None:

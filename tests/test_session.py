@@ -327,6 +327,30 @@ def test_hard_clips_with_utterance_finals_stream_as_accurately_as_offline_beam_s
     assert all(len(result.search_s) >= 2 for result in results)
 
 
+@pytest.mark.slow
+def test_continuous_speech_keeps_its_sentences_and_commas(engine: Engine, speech_dir: Path) -> None:
+    """A minute of LJ Speech read with no pause the VAD hears: one utterance, its windows cut
+    at their cap and decoded with the words before as their prompt. Whisper copies the style
+    of its prompt, so once a window came back without marks, the captions ran on in lower case
+    without commas or full stops. Word finals (each window decoded greedily, where a bare
+    prompt costs the most) must keep offline's sentence ends and 80% of its commas, every
+    sentence starting with a capital. Measured when written (modelled cost): offline 3 sentence
+    ends and 10 commas, streamed 3 and 8; with rule ``bare_prompt_drop`` off 1 and 2, and with
+    it judging 24 words instead of 12, 2 and 9."""
+    from bench.punctuation import marks_of
+    from server.engine.offline import transcribe_audio  # loads MLX: only where it is needed
+
+    audio = load_clip(speech_dir / "ljspeech/long/LJ001-0001_to_0032.concat.wav")
+    audio = audio[: 60 * SAMPLE_RATE_HZ]
+    offline = marks_of(transcribe_audio(engine, audio).text)
+    config = StreamingConfig(finals="words")
+    result = simulate(engine, audio, streaming=config, decode_cost_s=modelled_decode_cost_s)
+    streamed = marks_of(result.text)
+    assert streamed.sentence_ends >= offline.sentence_ends, (streamed, offline, result.text)
+    assert streamed.commas >= 0.8 * offline.commas, (streamed, offline, result.text)
+    assert streamed.capitalised == streamed.sentences, result.text
+
+
 # The window rules on long speech (the words a cut inside speech carries, finals past half a
 # long utterance's window, a recording that arrives all at once) are pinned on recorded runs
 # of the real model, replayed with no model in a fraction of a second:

@@ -109,6 +109,21 @@ def test_a_prompt_whose_last_words_lost_their_punctuation_is_not_passed_on() -> 
     assert not text.prompt and text.counts["bare_prompt_drop"] == 2
 
 
+def test_a_prompt_running_on_without_a_sentence_end_is_not_passed_on() -> None:
+    rules = BarePromptConfig(min_words=4, max_sentence_words=6)
+    text = transcript(bare_prompt=rules)
+    _released(text, ["Printing.", "then,", "for", "our", "purpose,", "may"])
+    assert len(text.prompt) == 6  # commas within four words, five words since the full stop
+    _released(text, ["be,"])
+    assert not text.prompt  # six words since it: one sentence running on
+    assert text.counts["bare_prompt_drop"] == 1
+    _released(text, ["considered."])
+    assert len(text.prompt) == 8
+    commas_only = transcript(bare_prompt=BarePromptConfig(min_words=4, max_sentence_words=0))
+    _released(commas_only, ["Printing.", "then,", "for", "our", "purpose,", "may", "be,"])
+    assert len(commas_only.prompt) == 7  # off (0): commas keep the prompt however long
+
+
 def test_the_windows_final_words_read_after_the_prompt_count_too() -> None:
     text = transcript(bare_prompt=BarePromptConfig(min_words=4))
     _released(text, ["with", "which", "we", "are"])

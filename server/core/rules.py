@@ -28,7 +28,7 @@ RULES: Mapping[str, str] = {
     # a decode's words
     "after_committed": "words aligned before the last final word are moved after it",
     "loop_prompt_drop": "no prompt for the window after a decode that looped",
-    "bare_prompt_drop": "no prompt while its last words hold no punctuation mark",
+    "bare_prompt_drop": "no prompt while its last words hold no mark, or no sentence end",
     # where windows are cut
     "sentence_cut": "cut after a final word that ends a sentence (or a clause, long windows)",
     "cut_inside_commit": "per utterance: cut after the last sentence end of a commit",
@@ -63,6 +63,10 @@ class BarePromptConfig:
     # The prompt's last this many words without a sentence or clause mark mean the text lost
     # its punctuation: Whisper copies the style of its prompt, so that text is not passed on.
     min_words: int = 12
+    # ... and this many words without a sentence end, commas or not: the text runs on as one
+    # sentence, and Whisper would go on with it, clause after clause. Longer than most read
+    # sentences; 0: only the bare run above.
+    max_sentence_words: int = 40
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,11 @@ class RulesConfig:
         for name, value in checks:
             if value < 0:
                 raise ValueError(f"rules.{name} must be >= 0; got {value}")
+        if self.bare_prompt.max_sentence_words < 0:
+            raise ValueError(
+                "rules.bare_prompt.max_sentence_words must be >= 0; "
+                f"got {self.bare_prompt.max_sentence_words}"
+            )
         if self.bare_prompt.min_words < 1:
             raise ValueError(
                 f"rules.bare_prompt.min_words must be >= 1; got {self.bare_prompt.min_words}"

@@ -27,7 +27,9 @@ Language = tuple[str | None, float | None]  # a message's language and its proba
 # What ends a sentence or a clause (rule ``bare_prompt_drop``); closing quotes and brackets
 # after a mark still close it.
 _MARKS = (*SENTENCE_END, *CLAUSE_END, "、")
-MARKS = _MARKS + tuple(f"{m}{q}" for m in _MARKS for q in "\"')”’")
+_CLOSERS = "\"')”’"
+MARKS = _MARKS + tuple(f"{m}{q}" for m in _MARKS for q in _CLOSERS)
+SENTENCE_MARKS = SENTENCE_END + tuple(f"{m}{q}" for m in SENTENCE_END for q in _CLOSERS)
 
 
 class Transcript:
@@ -71,23 +73,30 @@ class Transcript:
     def _bare(self) -> bool:
         """Rule ``bare_prompt_drop``: the last ``min_words`` words the decoder reads before
         its own (the prompt, then the window's final words forced as its prefix) hold no
-        sentence or clause mark. Whisper copies the style of the text it is given: a window
-        decoded after an unpunctuated run comes back unpunctuated, and the run goes on from
-        window to window (a long utterance's captions lost every full stop after its first
-        cut at the window cap). Without that prompt the decoder punctuates as on fresh audio."""
+        sentence or clause mark, or the last ``max_sentence_words`` no sentence end. Whisper
+        copies the style of the text it is given: a window decoded after an unpunctuated run
+        comes back unpunctuated, and the run goes on from window to window (a long
+        utterance's captions lost every full stop after its first cut at the window cap).
+        Without that prompt the decoder punctuates as on fresh audio."""
         rules = self.streaming.rules
-        n = rules.bare_prompt.min_words
         if not rules.on("bare_prompt_drop"):
             return False
+        bare_words = rules.bare_prompt.min_words
+        sentence_words = rules.bare_prompt.max_sentence_words
         words = self._prompt_words
         if self._window is not None:
             words = words + self._unreleased(self._window)
         spoken = 0
+        clause = False  # a clause mark among the words read so far (from the end)
         for word in reversed(words):
-            if word.rstrip().endswith(MARKS):
+            text = word.rstrip()
+            if text.endswith(SENTENCE_MARKS):
+                return False
+            clause = clause or text.endswith(MARKS)
+            if clause and not sentence_words:
                 return False
             spoken += bool(normalize_word(word))
-            if spoken == n:
+            if (not clause and spoken == bare_words) or spoken == sentence_words:
                 return True
         return False  # too little text to judge its style
 
