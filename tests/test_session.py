@@ -333,10 +333,11 @@ def test_continuous_speech_keeps_its_sentences_and_commas(engine: Engine, speech
     at their cap and decoded with the words before as their prompt. Whisper copies the style
     of its prompt, so once a window came back without marks, the captions ran on in lower case
     without commas or full stops. Word finals (each window decoded greedily, where a bare
-    prompt costs the most) must keep offline's sentence ends and 80% of its commas, every
-    sentence starting with a capital. Measured when written (modelled cost): offline 3 sentence
-    ends and 10 commas, streamed 3 and 8; with rule ``bare_prompt_drop`` off 1 and 2, and with
-    it judging 24 words instead of 12, 2 and 9."""
+    prompt costs the most) must keep about offline's sentence ends and commas, every sentence
+    starting with a capital. Measured when written (modelled cost): offline 3 sentence ends and
+    10 commas, streamed 3 and 11; with rule ``bare_prompt_drop`` off 1 and 2. (The margins
+    leave a decode that reads one mark another way on another CPU inside them; the recorded
+    case ``bare-prompt`` pins the rule itself.)"""
     from bench.punctuation import marks_of
     from server.engine.offline import transcribe_audio  # loads MLX: only where it is needed
 
@@ -346,7 +347,8 @@ def test_continuous_speech_keeps_its_sentences_and_commas(engine: Engine, speech
     config = StreamingConfig(finals="words")
     result = simulate(engine, audio, streaming=config, decode_cost_s=modelled_decode_cost_s)
     streamed = marks_of(result.text)
-    assert streamed.sentence_ends >= offline.sentence_ends, (streamed, offline, result.text)
+    assert offline.sentence_ends >= 3, offline  # the minute holds sentences to keep
+    assert streamed.sentence_ends >= offline.sentence_ends - 1, (streamed, offline, result.text)
     assert streamed.commas >= 0.8 * offline.commas, (streamed, offline, result.text)
     assert streamed.capitalised == streamed.sentences, result.text
 
