@@ -47,6 +47,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -285,24 +286,34 @@ def served_clip(record: Replay, messages: list[tuple[float, dict[str, Any]]]) ->
 
 
 async def stream_through_server(
-    clips: list[tuple[str, str]], server_args: tuple[str, ...] = ()
+    clips: Sequence[tuple[str, Float32Array]],
+    server_args: Sequence[str] = (),
+    *,
+    streams: int = 1,
 ) -> dict[str, ServedClip]:
-    """Each clip as its own WebSocket session at 1x into a real server subprocess (the
-    capacity limit off: one stream at a time anyway)."""
+    """Each clip (name, 16 kHz audio) as its own WebSocket session at 1x into a real server
+    subprocess, ``streams`` of them open at once (the capacity limit off, so that every one is
+    served)."""
     port = free_port()
     cmd = [
         os.path.join(sys.prefix, "bin", "whisperwire-server"),
         *("--port", str(port), "--model", "tiny.en", "--log-level", "warning"),
+        "--no-capacity-limit",
         *server_args,
     ]
     ready = f"http://127.0.0.1:{port}/readyz"
+    gate = asyncio.Semaphore(streams)
     served: dict[str, ServedClip] = {}
+
+    async def one(name: str, audio: Float32Array) -> None:
+        async with gate:
+            adapter = TimedAdapter(WhisperwireAdapter(f"ws://127.0.0.1:{port}"))
+            record = await replay(adapter, audio)
+            served[name] = served_clip(record, adapter.messages)
+
     log = RESULTS / "logs" / "accuracy_server.log"
     async with ServerProcess("whisperwire", cmd, ready=lambda: http_ok(ready), log_path=log):
-        for file, _ in clips:
-            adapter = TimedAdapter(WhisperwireAdapter(f"ws://127.0.0.1:{port}"))
-            record = await replay(adapter, load_speech(file))
-            served[file] = served_clip(record, adapter.messages)
+        await asyncio.gather(*(one(name, audio) for name, audio in clips))
     return served
 
 
@@ -399,8 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.offline_cache:
         args.offline_cache.write_text(json.dumps(cache, indent=1))
     if args.server:
-        clips = [(r.file, r.transcript) for r in short]
-        served = asyncio.run(stream_through_server(clips, tuple(args.server_args.split())))
+        clips = [(r.file, load_speech(r.file)) for r in short]
+        served = asyncio.run(stream_through_server(clips, args.server_args.split()))
         for clip, row in zip(sets["short"], short, strict=True):
             got = served[row.file]
             counts = count_errors(row.transcript, got.text)

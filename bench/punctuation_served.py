@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.accuracy import ServedClip, served_clip
+from bench.accuracy import ServedClip, stream_through_server
 from bench.engine import RESULTS, Float32Array, load_speech, write_results
 from bench.punctuation import (
     CHAPTERS,
@@ -42,8 +42,6 @@ from bench.punctuation import (
     recording_line,
     recordings,
 )
-from bench.replay import TimedAdapter, WhisperwireAdapter, replay
-from bench.server_process import ServerProcess, free_port, http_ok
 from server.engine.engine import Engine, EngineConfig
 from server.engine.offline import transcribe_audio
 from server.protocol.formats import SAMPLE_RATE_HZ
@@ -85,33 +83,6 @@ def served_row(name: str, clip: ServedClip, reference: str, offline: str) -> dic
     return row
 
 
-async def stream_all(
-    items: Sequence[Recording], streams: int, server_args: Sequence[str]
-) -> dict[str, ServedClip]:
-    """Every recording as its own session into one server, ``streams`` open at once."""
-    port = free_port()
-    cmd = [
-        os.path.join(sys.prefix, "bin", "whisperwire-server"),
-        *("--port", str(port), "--model", "tiny.en", "--log-level", "warning"),
-        "--no-capacity-limit",
-        *server_args,
-    ]
-    ready = f"http://127.0.0.1:{port}/readyz"
-    gate = asyncio.Semaphore(streams)
-    served: dict[str, ServedClip] = {}
-
-    async def one(name: str, audio: Float32Array) -> None:
-        async with gate:
-            adapter = TimedAdapter(WhisperwireAdapter(f"ws://127.0.0.1:{port}"))
-            record = await replay(adapter, audio)
-            served[name] = served_clip(record, adapter.messages)
-
-    log = RESULTS / "logs" / "punctuation_served.log"
-    async with ServerProcess("whisperwire", cmd, ready=lambda: http_ok(ready), log_path=log):
-        await asyncio.gather(*(one(name, audio) for name, audio, _ in items))
-    return served
-
-
 def offline_texts(items: Sequence[Recording], path: Path) -> dict[str, str]:
     """The offline decode of each recording, from ``path`` (``bench.punctuation``'s cache),
     decoding (and adding) those it lacks."""
@@ -149,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, Any] = {}
     for mode in modes:
         server_args = ["--finals", mode, *args.server_args.split()]
-        served = asyncio.run(stream_all(items, args.streams, server_args))
+        clips = [(name, audio) for name, audio, _ in items]
+        served = asyncio.run(stream_through_server(clips, server_args, streams=args.streams))
         rows = [served_row(n, served[n], ref, offline[n]) for n, _, ref in items]
         for row in rows:
             print(f"{mode:9s} {recording_line(row['name'], row)}", flush=True)

@@ -25,7 +25,7 @@ from typing import Any
 from bench.accuracy import ServedClip, stream_through_server
 from bench.accuracy_metrics import count_errors, percentile
 from bench.corpus import ManifestRow, read_manifest
-from bench.engine import speech_dir, write_results
+from bench.engine import load_speech, speech_dir, write_results
 
 
 def clip_record(row: ManifestRow, got: ServedClip) -> dict[str, Any]:
@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         parser.error(f"no English clip of manifest.tsv matches {args.match!r}")
     server_args = tuple(args.server_args.split())
-    served = asyncio.run(stream_through_server([(r.file, r.transcript) for r in rows], server_args))
+    audio = [(r.file, load_speech(r.file)) for r in rows]
+    served = asyncio.run(stream_through_server(audio, server_args))
     clips = [clip_record(r, served[r.file]) for r in rows]
     summary = {"server_args": list(server_args), **pool(clips)}
     path = write_results(args.out, {"summary": summary, "clips": clips})
