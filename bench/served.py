@@ -73,8 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--server-args", default="", help="flags for the server, space-separated (--finals words)"
     )
+    parser.add_argument("--streams", type=int, default=1, help="clips streamed at once")
     parser.add_argument("--out", default="served")
     args = parser.parse_args(argv)
+    if args.streams < 1:
+        parser.error(f"--streams must be 1 or more, got {args.streams}")
     folder = speech_dir()
     rows = [
         r
@@ -85,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no English clip of manifest.tsv matches {args.match!r}")
     server_args = tuple(args.server_args.split())
     audio = [(r.file, load_speech(r.file)) for r in rows]
-    served = asyncio.run(stream_through_server(audio, server_args))
+    served = asyncio.run(stream_through_server(audio, server_args, streams=args.streams))
     clips = [clip_record(r, served[r.file]) for r in rows]
-    summary = {"server_args": list(server_args), **pool(clips)}
+    summary = {"server_args": list(server_args), "streams": args.streams, **pool(clips)}
     path = write_results(args.out, {"summary": summary, "clips": clips})
     print(f"wrote {path}")
     print(json.dumps(summary))

@@ -38,3 +38,9 @@ def test_a_match_with_no_clip_is_refused(
     with pytest.raises(SystemExit):
         main(["--match", "no-such-folder"])
     assert "no English clip" in capsys.readouterr().err
+
+
+def test_no_streams_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--streams", "0"])
+    assert "--streams must be 1 or more" in capsys.readouterr().err
