@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jiwer
+from whisper_normalizer.basic import BasicTextNormalizer
 
 from bench.corpus import normalize, normalize_reference
 from server.protocol.messages import WordInfo
@@ -52,8 +53,19 @@ class Counts:
         return self.errors / self.ref_words if self.ref_words else 0.0
 
 
-def count_errors(reference: str, hypothesis: str) -> Counts:
-    ref, hyp = normalize_reference(reference), normalize(hypothesis)
+# Languages written without spaces between words: their texts are scored letter by letter.
+UNSPACED = frozenset({"ja", "zh", "yue", "th", "lo", "my"})
+
+
+def count_errors(reference: str, hypothesis: str, language: str = "en") -> Counts:
+    """Errors of ``hypothesis`` against ``reference``, both normalised: with Whisper's English
+    normaliser, or for another ``language`` its basic one (case and marks folded), letter by
+    letter where words are not spaced (``UNSPACED``: then a "word" below is a letter)."""
+    if language == "en":
+        ref, hyp = normalize_reference(reference), normalize(hypothesis)
+    else:
+        basic = BasicTextNormalizer(split_letters=language in UNSPACED)
+        ref, hyp = basic(reference).strip(), basic(hypothesis).strip()
     if not ref:
         return Counts(0, 0, 0, len(hyp.split()), len(hyp.split()))
     out = jiwer.process_words(ref, hyp)

@@ -6,7 +6,8 @@ finals beside an offline decode of the same audio, and words after the last spok
 
 Every normaliser a WER uses strips punctuation and case, so no accuracy figure sees a caption
 that runs on as one lower-case sentence. This one counts, per recording and pooled:
-- sentence ends (a word ending in . ? !), commas, and the sentences that start with a capital,
+- sentence ends (a word ending in . ? ! but an abbreviation's or initial's: "etc.", "i.e."),
+  commas, and the sentences that start with a capital (or a digit, which has no case),
   in the streamed finals, in the offline decode (``transcribe_audio``'s long-form loop, as
   ``bench.accuracy`` calls it) and in the reference where it is punctuated (LJ Speech, the
   sonnets; LibriSpeech's is upper case without punctuation);
@@ -14,11 +15,14 @@ that runs on as one lower-case sentence. This one counts, per recording and pool
 - words after the last reference word (``Counts.trailing_insertions``), streamed and offline;
 - errors against the reference and final latency p95, so a lever's cost shows beside it.
 
-The recordings: every English one in ``manifest_long.tsv``, and ``test-other nopause``: the
-ten clips of one test-other chapter with the silence at their edges trimmed, joined back to
-back, so that hard speech, too, comes as one long utterance with no pause (built here from
-the shared clips, in memory). With ``--short`` the English short clips of ``manifest.tsv`` are
-streamed too, for their trailing insertions only.
+The recordings: every English one in ``manifest_long.tsv`` (``--languages de,es`` or ``all``
+for others, with a multilingual ``--model`` such as ``base``: then each stream and the
+offline decode detect their language, and texts in another language are scored with
+Whisper's basic normaliser, letter by letter where words are not spaced), and ``test-other
+nopause``: the ten clips of one test-other chapter with the silence at their edges trimmed,
+joined back to back, so that hard speech, too, comes as one long utterance with no pause
+(built here from the shared clips, in memory). With ``--short`` the short clips of
+``manifest.tsv`` in those languages are streamed too, for their trailing insertions only.
 
 Each recording is streamed through ``Session`` at the modelled decode cost
 (``bench.accuracy.modelled_cost_s``), so the text is the same on every run; decodes are kept
@@ -50,7 +54,8 @@ from bench.corpus import read_manifest
 from bench.engine import RESULTS, Float32Array, load_speech, speech_dir, write_results
 from bench.simulate import simulate
 from server.config import StreamingConfig
-from server.core.cuts import SENTENCE_END
+from server.core.casing import ends_sentence
+from server.core.engine_api import DecodeOptions
 from server.engine.engine import Engine, EngineConfig
 from server.engine.offline import transcribe_audio
 from server.protocol.formats import SAMPLE_RATE_HZ
@@ -62,8 +67,6 @@ MODES = ("utterance", "words")
 NOPAUSE_CHAPTER = "3080-5032"  # the test-other chapter joined with no pause
 NOPAUSE = f"test-other nopause {NOPAUSE_CHAPTER}"
 CHAPTERS = "librispeech_test-other/long/"
-# Closing quotes and brackets after a sentence's mark ("... die.'") still end it.
-_CLOSERS = "\"')]”’»"
 
 
 @dataclass(frozen=True)
@@ -102,10 +105,10 @@ def marks_of(text: str) -> Marks:
     for word in words:
         if starts_sentence:
             sentences += 1
-            first = next((ch for ch in word if ch.isalpha()), "")
-            capitalised += first.isupper()
-        bare = word.rstrip(_CLOSERS)
-        starts_sentence = bare.endswith(SENTENCE_END)
+            # A sentence that opens with a digit ("2. When forty winters") has nothing to case.
+            first = next((ch for ch in word if ch.isalnum()), "")
+            capitalised += first.isupper() or first.isdigit()
+        starts_sentence = ends_sentence(word)
         ends += starts_sentence
         commas += word.count(",")
     return Marks(len(words), ends, commas, sentences, capitalised)
@@ -168,25 +171,36 @@ def nopause_recording(chapter: str = NOPAUSE_CHAPTER) -> tuple[Float32Array, str
     return audio, " ".join(r.transcript for r in rows)
 
 
-def recordings(short: bool) -> list[tuple[str, str, bool]]:
-    """(name, reference, long) of each recording: the long English ones, the no-pause chapter,
-    and with ``short`` the English short clips."""
+def recordings(short: bool, languages: Sequence[str] = ("en",)) -> list[tuple[str, str, bool, str]]:
+    """(name, reference, long, language) of each recording in ``languages``: the long ones,
+    the no-pause chapter (English), and with ``short`` the short clips."""
     folder = speech_dir()
     out = [
-        (r.file, r.transcript, True)
+        (r.file, r.transcript, True, r.language)
         for r in read_manifest(folder / "manifest_long.tsv")
-        if r.language == "en"
+        if r.language in languages
     ]
     # LJ Speech first (the issue's case), then the no-pause chapter, then the rest.
     out.sort(key=lambda row: "ljspeech" not in row[0])
-    out.insert(1, (NOPAUSE, "", True))
+    if "en" in languages:
+        out.insert(1, (NOPAUSE, "", True, "en"))
     if short:
+        longs = {row[0] for row in out}
         out += [
-            (r.file, r.transcript, False)
+            (r.file, r.transcript, False, r.language)
             for r in read_manifest(folder / "manifest.tsv")
-            if r.language == "en"
+            if r.language in languages and r.file not in longs
         ]
     return out
+
+
+def _languages(spec: str) -> tuple[str, ...]:
+    """``--languages``: codes, or every language the manifests hold."""
+    if spec != "all":
+        return tuple(code for code in spec.split(",") if code)
+    folder = speech_dir()
+    rows = [*read_manifest(folder / "manifest.tsv"), *read_manifest(folder / "manifest_long.tsv")]
+    return tuple(sorted({r.language for r in rows}))
 
 
 def punctuated(reference: str) -> bool:
@@ -201,7 +215,9 @@ def p95(values: Sequence[float]) -> float | None:
     return round(ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))], 3)
 
 
-def error_fields(reference: str, text: str, offline: str) -> dict[str, int | None]:
+def error_fields(
+    reference: str, text: str, offline: str, language: str = "en"
+) -> dict[str, int | None]:
     """Errors and words after the last reference word, streamed and offline; None for each
     without a reference (a recording cut short)."""
     if not reference:
@@ -214,7 +230,8 @@ def error_fields(reference: str, text: str, offline: str) -> dict[str, int | Non
                 "trailing_insertions_offline",
             )
         )
-    streamed, off = count_errors(reference, text), count_errors(reference, offline)
+    streamed = count_errors(reference, text, language)
+    off = count_errors(reference, offline, language)
     return {
         "errors": streamed.errors,
         "errors_offline": off.errors,
@@ -233,6 +250,7 @@ def run_recording(
     streaming: StreamingConfig,
     *,
     long: bool,
+    language: str = "en",
 ) -> dict[str, Any]:
     """One recording streamed: its marks beside offline's and the reference's."""
     fired: dict[str, int] = {}
@@ -249,7 +267,8 @@ def run_recording(
     row: dict[str, Any] = {
         "audio_s": round(audio.shape[0] / SAMPLE_RATE_HZ, 2),
         "long": long,
-        **error_fields(reference, text, offline),
+        "language": language,
+        **error_fields(reference, text, offline, language),
         "final_p95_s": p95(result.final_latencies_s()),
         "rules_fired": {k: v for k, v in sorted(fired.items()) if not k.startswith("final:")},
         "text": text,
@@ -324,6 +343,16 @@ def main(argv: list[str] | None = None) -> int:
         "(whose decodes the ablation runs made): no errors, nor trailing words, for those cut",
     )
     parser.add_argument("--only", default="", help="comma-separated substrings of names to run")
+    parser.add_argument(
+        "--languages",
+        default="en",
+        help="comma-separated languages of the recordings to run (manifest codes), or 'all'",
+    )
+    parser.add_argument(
+        "--model",
+        default=EngineConfig().model,
+        help="the model (a multilingual one detects each stream's language, offline too)",
+    )
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--offline-cache", type=Path, default=DEFAULT_OFFLINE)
     parser.add_argument("--out", default="punctuation")
@@ -342,8 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     only = [s for s in args.only.split(",") if s]
 
-    engine = Engine.load(EngineConfig())
+    engine = Engine.load(EngineConfig(model=args.model))
     engine.warmup()
+    multilingual = engine.vocab.multilingual
+    if multilingual and not any(s.startswith("streaming.language=") for s in args.set):
+        base = dataclasses.replace(base, language=None)
+    languages = _languages(args.languages)
     cache = DecodeCache(engine, args.cache)
     offline_texts: dict[str, str] = (
         json.loads(args.offline_cache.read_text()) if args.offline_cache.is_file() else {}
@@ -354,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     # Recording by recording, every mode, the results file rewritten after each: a run cut
     # short keeps what it measured.
-    for name, reference, long in recordings(args.short):
+    for name, reference, long, language in recordings(args.short, languages):
         if only and not any(s in name for s in only):
             continue
         if name == NOPAUSE:
@@ -371,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
             reference = ""  # the words of the part streamed are not known
             key = f"{name}[:{args.max_s:g}s]"
         if key not in offline_texts:
-            offline_texts[key] = transcribe_audio(engine, audio).text
+            options = DecodeOptions(word_timestamps=False, language=None if multilingual else "en")
+            offline_texts[key] = transcribe_audio(engine, audio, options).text
             args.offline_cache.parent.mkdir(parents=True, exist_ok=True)
             args.offline_cache.write_text(json.dumps(offline_texts, indent=1))
         for mode in modes:
@@ -379,7 +413,14 @@ def main(argv: list[str] | None = None) -> int:
                 base, finals=mode, rules=dataclasses.replace(base.rules, disabled=disabled)
             )
             row = run_recording(
-                engine, cache, audio, reference, offline_texts[key], streaming, long=long
+                engine,
+                cache,
+                audio,
+                reference,
+                offline_texts[key],
+                streaming,
+                long=long,
+                language=language,
             )
             row["name"] = key
             rows[mode].append(row)
@@ -388,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{mode:9s} {recording_line(key, row)}", flush=True)
         data = {
             "settings": args.set,
+            "model": args.model,
+            "languages": list(languages),
             "disabled": args.disable,
             "max_s": args.max_s,
             "runs": {mode: {"pooled": pooled(r), "recordings": r} for mode, r in rows.items()},

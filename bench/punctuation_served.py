@@ -54,7 +54,7 @@ def load_recordings(max_s: float, only: Sequence[str]) -> list[Recording]:
     chapters cut to its first ``max_s`` seconds (named ``NAME[:Ns]``, no reference), as
     ``bench.punctuation`` cuts them, so the two share offline texts."""
     out: list[Recording] = []
-    for name, reference, long in recordings(short=False):
+    for name, reference, long, _ in recordings(short=False):
         if not long or (only and not any(s in name for s in only)):
             continue
         if name == NOPAUSE:

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.accuracy import modelled_cost_s
+from bench.accuracy import _overrides, modelled_cost_s
 from bench.accuracy_metrics import count_errors
 from bench.corpus import ManifestRow, read_manifest
 from bench.engine import RESULTS, Float32Array, load_speech, speech_dir, write_results
@@ -115,12 +115,13 @@ def stream(
     phone: bool,
     vad: VadConfig | None = None,
     cost_scale: float = 1.0,
+    streaming: StreamingConfig | None = None,
 ) -> dict[str, Any]:
     """One clip streamed at a modelled cost: its errors, words and final latencies."""
     result = simulate(
         engine,
         clip.audio,
-        streaming=StreamingConfig(),
+        streaming=streaming or StreamingConfig(),
         vad=vad,
         decode_cost_s=lambda job: cost_scale * modelled_cost_s(job),
         wire=(AudioFormat(PHONE_RATE_HZ, LAW), clip.line) if phone else None,
@@ -202,8 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--lever",
         action="append",
-        choices=[lever.name for lever in LEVERS],
-        help="the levers to try (default: all)",
+        choices=[*(lever.name for lever in LEVERS), "none"],
+        help="the levers to try (default: all; none: the conditions only)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="streaming.FIELD=JSON for every condition streamed (e.g. a rule's knob)",
     )
     parser.add_argument(
         "--noise-scale",
@@ -231,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         audio = load_speech(row.file)
         clips.append(Clip(row, audio, phone_line(audio, LAW)))
     levers = [lever for lever in LEVERS if not args.lever or lever.name in args.lever]
+    streaming, _, _ = _overrides(args.set)
     scales = [s for s in (args.noise_scale or NOISE_SCALES) if s != 1.0]
 
     engine = Engine.load(EngineConfig())
@@ -269,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             "clips": results,
             "channel": {"band_hz": list(PHONE_BAND_HZ), "rate_hz": PHONE_RATE_HZ, "law": LAW},
             "decode_cost": "modelled x1.0",
+            "settings": args.set,
             "noise_scales": scales,
             "engine": dataclasses.asdict(engine.config),
             "loadavg_start": load_start,
@@ -283,14 +292,14 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     if not args.no_references:
-        measure("wide", lambda c: stream(engine, c, phone=False))
+        measure("wide", lambda c: stream(engine, c, phone=False, streaming=streaming))
     if args.baseline is not None:
         known = json.loads(args.baseline.read_text())["clips"]["phone"]
         results["phone"] = [r for r in known if r["file"] in {c.row.file for c in clips}]
         if len(results["phone"]) != len(clips):
             raise SystemExit(f"{args.baseline} lacks some of the clips' phone rows")
     else:
-        measure("phone", lambda c: stream(engine, c, phone=True))
+        measure("phone", lambda c: stream(engine, c, phone=True, streaming=streaming))
     if not args.no_references:
         measure(
             "phone_offline",
@@ -300,14 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     for scale in scales:
         measure(
             f"phone_x{scale}",
-            lambda c, s=scale: stream(engine, c, phone=True, cost_scale=s),  # type: ignore[misc]
+            lambda c, s=scale: stream(  # type: ignore[misc]
+                engine, c, phone=True, cost_scale=s, streaming=streaming
+            ),
         )
     noise_points = save()["headline"]["noise_points"] or 0.0
     for lever in levers:
 
         def each(c: Clip, lever: Lever = lever) -> dict[str, Any]:
             with resample_quality(lever.resample_quality):
-                return stream(engine, c, phone=True, vad=lever.vad)
+                return stream(engine, c, phone=True, vad=lever.vad, streaming=streaming)
 
         results[lever.name] = run(engine, clips, lever.name, each)
         base, mine = pooled(results["phone"]), pooled(results[lever.name])

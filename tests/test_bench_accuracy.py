@@ -108,6 +108,17 @@ def test_words_a_reference_holds_in_brackets_were_spoken_and_count() -> None:
     assert missing.deletions == 6 and missing.trailing_insertions == 0
 
 
+def test_another_language_is_scored_with_case_and_marks_folded_and_unspaced_by_letter() -> None:
+    german = count_errors("Der Raum, sagte er.", "der Raum sagte er. Danke.", "de")
+    assert (german.ref_words, german.errors, german.trailing_insertions) == (4, 1, 1)
+    # Japanese has no spaces: a "word" is a letter (three said after the last one).
+    japanese = count_errors("今日は晴れ。", "今日は晴れ。ですね", "ja")
+    assert (japanese.ref_words, japanese.errors, japanese.trailing_insertions) == (5, 3, 3)
+    # The English normaliser strips diacritics; another language keeps them.
+    assert count_errors("Räume", "Raume", "de").errors == 1
+    assert count_errors("Räume", "Raume").errors == 0
+
+
 def test_the_clips_last_word_is_a_last_word() -> None:
     words = timed(("alpha", 0.2), ("brave", 0.6))
     located = locate_errors("alpha bravo", text(words), words, [0.0])

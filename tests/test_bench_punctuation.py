@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from bench.punctuation import Marks, marks_of, pooled, punctuated
+from pathlib import Path
+
+from bench.punctuation import NOPAUSE, Marks, _languages, marks_of, pooled, punctuated, recordings
 
 
 def test_sentence_ends_commas_and_capitals_are_counted_per_sentence() -> None:
@@ -17,6 +19,12 @@ def test_a_mark_standing_alone_counts_with_the_word_before_it() -> None:
     assert marks_of("concerned , differs from types . Now") == marks_of(
         "concerned, differs from types. Now"
     )
+
+
+def test_an_abbreviation_ends_no_sentence_and_a_digit_needs_no_capital() -> None:
+    marks = marks_of("Black letter, i.e. the letter, etc. produced here. 2. When forty")
+    # "here." and "2." end sentences; "2." and "When" start them, and a digit has no case.
+    assert marks == Marks(words=11, sentence_ends=2, commas=2, sentences=3, capitalised=3)
 
 
 def test_only_a_mixed_case_text_with_marks_is_a_punctuated_reference() -> None:
@@ -50,3 +58,13 @@ def test_pooled_marks_sum_the_long_recordings_and_trailing_words_every_recording
     assert summary["capitalised_share"] == 0.667
     assert summary["trailing_insertions"] == 2
     assert summary["recordings_with_trailing"] == ["c"]
+
+
+def test_other_languages_bring_their_long_and_short_recordings_once(speech_dir: Path) -> None:
+    german = recordings(True, ("de",))
+    names = [name for name, _, _, _ in german]
+    assert names == ["aeneas_librivox/de_example7.wav", "picovoice/test_de.wav"]
+    assert [(long, language) for _, _, long, language in german] == [(True, "de"), (False, "de")]
+    english = [name for name, _, _, _ in recordings(False)]
+    assert english[:2] == ["ljspeech/long/LJ001-0001_to_0032.concat.wav", NOPAUSE]
+    assert {"de", "en", "ja"} <= set(_languages("all")) and _languages("de,es") == ("de", "es")

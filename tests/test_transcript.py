@@ -31,8 +31,9 @@ def test_a_commit_sends_one_final_and_counts_its_path() -> None:
     words = spoken(("hello", 0.2, 0.6), ("world.", 0.7, 1.2))
     text.commit(utt, words, why="agreement", clock=CLOCK, language=(None, None), labelled=False)
     [final] = finals(text)
-    assert (final.text, final.segment_id, final.start, final.end) == ("hello world.", 0, 0.2, 1.2)
-    assert utt.committed == words and utt.committed_tokens == [100, 101]
+    assert (final.text, final.segment_id, final.start, final.end) == ("Hello world.", 0, 0.2, 1.2)
+    assert [w.text for w in utt.committed] == [" Hello", " world."]
+    assert utt.committed_tokens == [100, 101]
     assert text.counts["final:agreement"] == 1
 
 
@@ -46,7 +47,7 @@ def test_held_words_go_out_with_the_next_final() -> None:
     assert finals(text) == []
     text.partial(utt, CLOCK, (None, None), provisional=False)
     shown = text.emit.take(None, all_heard=True)
-    assert isinstance(shown[0], PartialMessage) and shown[0].text == "first"
+    assert isinstance(shown[0], PartialMessage) and shown[0].text == "First"
     text.commit(
         utt,
         spoken(("then", 0.7, 0.9)),
@@ -56,7 +57,7 @@ def test_held_words_go_out_with_the_next_final() -> None:
         labelled=False,
     )
     [final] = finals(text)
-    assert final.text == "first then"
+    assert final.text == "First then"
 
 
 def test_a_cut_moves_the_window_carries_words_and_releases_the_rest_to_the_prompt() -> None:
@@ -164,3 +165,31 @@ def test_retiring_an_utterance_accounts_for_its_audio_and_clears_its_partial() -
     assert isinstance(events[-1], PartialMessage) and events[-1].text == ""
     assert text.emit.account.transcribed == round(2.0 * SR)
     assert text.emit.account.failed == round(1.0 * SR)
+
+
+def test_a_word_that_begins_a_sentence_is_final_with_a_capital_and_shown_so_before() -> None:
+    text = transcript()
+    utt = utterance()
+    first = spoken(("so", 0.2, 0.4), ("it", 0.5, 0.6), ("ends.", 0.7, 1.0))
+    text.commit(utt, first, why="agreement", clock=CLOCK, language=(None, None), labelled=False)
+    # The next window's decode starts the sentence in lower case: its partial already shows
+    # the capital it will be final with, and a word after an abbreviation keeps its case.
+    utt.tentative = spoken(("then", 1.2, 1.4), ("etc.", 1.5, 1.8), ("and", 1.9, 2.0))
+    text.partial(utt, CLOCK, (None, None), provisional=False)
+    text.commit(
+        utt, utt.tentative, why="closing", clock=CLOCK, language=(None, None), labelled=False
+    )
+    events = text.emit.take(None, all_heard=True)
+    shown = [e.text for e in events if isinstance(e, PartialMessage)]
+    sent = [e.text for e in events if isinstance(e, FinalMessage)]
+    assert shown == ["Then etc. and"] and sent == ["So it ends.", "Then etc. and"]
+    assert text.counts["sentence_case"] == 2  # the partial is not counted
+
+
+def test_with_sentence_case_off_the_words_keep_the_decoders_case() -> None:
+    text = transcript(disabled=("sentence_case",))
+    utt = utterance()
+    words = spoken(("so", 0.2, 0.4), ("it", 0.5, 0.6), ("ends.", 0.7, 1.0), ("then", 1.2, 1.4))
+    text.commit(utt, words, why="agreement", clock=CLOCK, language=(None, None), labelled=False)
+    assert [f.text for f in finals(text)] == ["so it ends. then"]
+    assert "sentence_case" not in text.counts

@@ -29,6 +29,7 @@ RULES: Mapping[str, str] = {
     "after_committed": "words aligned before the last final word are moved after it",
     "loop_prompt_drop": "no prompt for the window after a decode that looped",
     "bare_prompt_drop": "no prompt while its last words hold no mark, or no sentence end",
+    "sentence_case": "a final word that begins a sentence starts with a capital",
     # where windows are cut
     "sentence_cut": "cut after a final word that ends a sentence (or a clause, long windows)",
     "cut_inside_commit": "per utterance: cut after the last sentence end of a commit",
@@ -114,6 +115,6 @@ class RulesConfig:
 class RuleCounts(Counter[str]):
     """How often each rule fired in one session (and, summed, on a server)."""
 
-    def fired(self, name: str) -> None:
+    def fired(self, name: str, times: int = 1) -> None:
         assert name in RULES or name.startswith("final:"), name
-        self[name] += 1
+        self[name] += times

@@ -17,6 +17,7 @@ import logging
 
 from server.config import StreamingConfig
 from server.core.agreement import Word, normalize_word
+from server.core.casing import SentenceCase
 from server.core.cuts import CLAUSE_END, SENTENCE_END, Cut
 from server.core.emitter import Clock, Emitter
 from server.core.rules import RuleCounts
@@ -54,6 +55,7 @@ class Transcript:
         # The window whose final words are the decodes' forced prefix: read after the prompt,
         # they count towards its style.
         self._window: Utterance | None = None
+        self._case = SentenceCase()  # rule ``sentence_case``
 
     # -- the prompt ------------------------------------------------------------------------
     @property
@@ -153,6 +155,7 @@ class Transcript:
         them back too (``Utterance.unsent``). ``labelled``: the final waits for speakers."""
         if words:
             self.counts.fired(f"final:{why}")
+        words = self._cased(words, final=True)
         utt.add_committed(words)
         self._window = utt
         words = utt.unsent + words
@@ -167,12 +170,21 @@ class Transcript:
     ) -> None:
         """Show the utterance's words not final yet (held words too: final at its end)."""
         self.emit.partial(
-            utt.unsent + utt.tentative,
+            utt.unsent + self._cased(utt.tentative, final=False),
             utt.window_start / SAMPLE_RATE_HZ,
             clock,
             language,
             provisional=provisional,
         )
+
+    def _cased(self, words: list[Word], *, final: bool) -> list[Word]:
+        """Rule ``sentence_case``: a word that begins a sentence starts with a capital."""
+        if not self.streaming.rules.on("sentence_case"):
+            return words
+        cased, changed = self._case.apply(words, advance=final)
+        if final and changed:
+            self.counts.fired("sentence_case", changed)
+        return cased
 
     # -- window moves ----------------------------------------------------------------------
     def cut(self, utt: Utterance, cut: Cut) -> None:
