@@ -148,7 +148,8 @@ bench-telephony: $(STAMP)
 	$(PY) -m bench.telephony $(BENCH_TELEPHONY_ARGS)
 
 # Sentence ends, commas and capitals of the streamed finals beside offline's, and words after
-# the last spoken word, on every English long recording. BENCH_PUNCTUATION_ARGS: e.g. --short
+# the last spoken word, on every English long recording. BENCH_PUNCTUATION_ARGS: e.g. --short,
+# or --model base --languages all --short for every other language too
 bench-punctuation: $(STAMP)
 	$(PY) -m bench.punctuation $(BENCH_PUNCTUATION_ARGS)
 

@@ -36,12 +36,6 @@ def w(text: str, start_s: float, end_s: float, token: int = 1, probability: floa
     return Word(f" {text}", start_s, end_s, probability, (token,))
 
 
-def scripted_words(n: int) -> list[str]:
-    """The first ``n`` words of a stream from the scripted engines ("w0 w1 ..."), as finals
-    give them: the stream's first word starts a sentence (rule ``sentence_case``)."""
-    return [f"w{k}" if k else "W0" for k in range(n)]
-
-
 def spoken(*spec: tuple[str, float, float]) -> list[Word]:
     """Words from (text, start, end) triples, each with its own token."""
     return [w(text, a, b, token=100 + k) for k, (text, a, b) in enumerate(spec)]

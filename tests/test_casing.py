@@ -25,6 +25,8 @@ from tests.core_doubles import spoken
         ("1465,", False),
         ("1465.", True),
         ("終わり。", True),
+        ("the...", False),  # trailing off, and going on
+        ("so…", False),
     ],
 )
 def test_what_ends_a_sentence(word: str, ends: bool) -> None:
@@ -49,14 +51,20 @@ def test_the_first_letter_is_written_up(text: str, out: str | None) -> None:
     assert capitalised(text) == out
 
 
-def test_the_first_word_and_each_after_a_sentence_end_are_capitalised_across_calls() -> None:
+def test_each_word_after_a_sentence_end_is_capitalised_across_calls() -> None:
     case = SentenceCase()
-    words, changed = case.apply(spoken(("then", 0, 1), ("he", 1, 2), ("went.", 2, 3)), advance=True)
-    assert [w.text.strip() for w in words] == ["Then", "he", "went."] and changed == 1
+    # The stream's first word keeps its case: the audio may begin mid-sentence.
+    words, changed = case.apply(
+        spoken(("in", 0, 1), ("being.", 1, 2), ("so", 2, 3), ("he", 3, 4), ("went.", 4, 5)),
+        advance=True,
+    )
+    assert [w.text.strip() for w in words] == ["in", "being.", "So", "he", "went."]
+    assert changed == 1
     # The next final starts a sentence: the place is kept from one call to the next.
     words, changed = case.apply(spoken(("pity", 3, 4), ("the", 4, 5)), advance=True)
     assert [w.text.strip() for w in words] == ["Pity", "the"] and changed == 1
     assert [(w.start_s, w.end_s) for w in words] == [(3, 4), (4, 5)]  # only the text changes
+    assert words[0].tokens == spoken(("pity", 3, 4))[0].tokens
 
 
 def test_a_partial_does_not_move_the_place() -> None:
@@ -75,3 +83,6 @@ def test_a_mark_decoded_as_a_word_of_its_own_belongs_to_the_word_before() -> Non
         advance=True,
     )
     assert [w.text.strip() for w in words] == ["It", "ends", ".", "Now", ",", "so"]
+    # ... and an ellipsis ends nothing: the speaker trailed off and went on.
+    words, changed = case.apply(spoken(("the", 4, 5), ("...", 5, 5), ("that", 5, 6)), advance=True)
+    assert [w.text.strip() for w in words] == ["the", "...", "that"] and changed == 0

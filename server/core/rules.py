@@ -29,7 +29,7 @@ RULES: Mapping[str, str] = {
     "after_committed": "words aligned before the last final word are moved after it",
     "loop_prompt_drop": "no prompt for the window after a decode that looped",
     "bare_prompt_drop": "no prompt while its last words hold no mark, or no sentence end",
-    "sentence_case": "a final word that begins a sentence starts with a capital",
+    "sentence_case": "a final word after a sentence end starts with a capital",
     # where windows are cut
     "sentence_cut": "cut after a final word that ends a sentence (or a clause, long windows)",
     "cut_inside_commit": "per utterance: cut after the last sentence end of a commit",
