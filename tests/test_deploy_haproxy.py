@@ -94,6 +94,7 @@ MIN_HIT_RATIO = 0.8  # words on the page found, in order, in the clip's referenc
 SURVIVOR_WORDS = 15  # final words awaited from the instance the page resumed on
 # One lane each: two instances share this machine's two cores. The capacity estimate
 # of one lane is under three streams; these tests transcripts and draining, not admission.
+SPREAD_STAGGER_S = 0.25  # between the spread clients' connections
 REAL_INSTANCE_ARGS = (
     *("--model", "tiny.en", "--api-key", API_KEY, "--log-level", "info"),
     *("--decode-lanes", "1", "--no-capacity-limit", "--max-sessions", "8"),
@@ -544,6 +545,10 @@ async def test_two_real_instances_behind_haproxy_drain_without_losing_a_word(
 
             async def spread_client(k: int, file: str) -> StreamResult:
                 source = FileSource(speech_dir / file)
+                # leastconn counts the connections a server has open: four handshakes in the
+                # same instant can each see the other server's count before any is open (3 to
+                # 1). A quarter second apart, each sees the ones before it.
+                await asyncio.sleep(k * SPREAD_STAGGER_S)
                 if k == 0:  # the key in the query string instead of the header
                     url = f"{lb.stream_url}?token={API_KEY}&language=en"
                     return await stream_audio(url, source, pace=1.0)
