@@ -298,26 +298,17 @@ async def test_a_seam_counts_words_heard_twice_and_not_a_compound_written_apart(
     def log(*sessions: tuple[float, str]) -> list[dict[str, Any]]:
         return [{"offsetS": at, "message": {"text": text}} for at, text in sessions]
 
-    (apart,) = seams_lined_up(
-        reference, log((0.0, "before the wood cutters"), (18.0, "of the netherlands by"))
-    )
-    assert (apart.lost, apart.repeated) == (0, 0), apart
-    (misheard,) = seams_lined_up(
-        reference, log((0.0, "the woodcutters of the nether lens by"), (19.3, "a similar process"))
-    )
-    assert (misheard.lost, misheard.repeated) == (0, 0), misheard
-    (near,) = seams_lined_up(
-        reference, log((0.0, "the woodcutters of the netherland by"), (18.6, "a similar process"))
-    )
-    assert (near.lost, near.repeated) == (0, 0), near
-    (twice,) = seams_lined_up(
-        reference, log((0.0, "the netherlands by a similar"), (20.2, "the miller process"))
-    )
-    assert (twice.lost, twice.repeated) == (0, 2), twice
-    (skipped,) = seams_lined_up(
-        reference, log((0.0, "the woodcutters of the"), (18.7, "by a similar process"))
-    )
-    assert (skipped.lost, skipped.repeated) == (1, 0), skipped
+    cases = [
+        # (the page's two sessions, reference words lost and page words repeated at the seam)
+        (((0.0, "before the wood cutters"), (18.0, "of the netherlands by")), (0, 0)),
+        (((0.0, "the woodcutters of the nether lens by"), (19.3, "a similar process")), (0, 0)),
+        (((0.0, "the woodcutters of the netherland by"), (18.6, "a similar process")), (0, 0)),
+        (((0.0, "the netherlands by a similar"), (20.2, "the miller process")), (0, 2)),
+        (((0.0, "the woodcutters of the"), (18.7, "by a similar process")), (1, 0)),
+    ]
+    for sessions, (lost, repeated) in cases:
+        (seam,) = seams_lined_up(reference, log(*sessions))
+        assert (seam.lost, seam.repeated) == (lost, repeated), seam
 
 
 def check_resumed_at_seam_words(final_log: list[dict[str, Any]]) -> None:

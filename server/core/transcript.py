@@ -17,7 +17,7 @@ import logging
 
 from server.config import StreamingConfig
 from server.core.agreement import Word, normalize_word
-from server.core.casing import SentenceCase
+from server.core.casing import CLOSERS, SentenceCase
 from server.core.cuts import CLAUSE_END, SENTENCE_END, Cut
 from server.core.emitter import Clock, Emitter
 from server.core.rules import RuleCounts
@@ -28,9 +28,8 @@ Language = tuple[str | None, float | None]  # a message's language and its proba
 # What ends a sentence or a clause (rule ``bare_prompt_drop``); closing quotes and brackets
 # after a mark still close it.
 _MARKS = (*SENTENCE_END, *CLAUSE_END, "、")
-_CLOSERS = "\"')”’"
-MARKS = _MARKS + tuple(f"{m}{q}" for m in _MARKS for q in _CLOSERS)
-SENTENCE_MARKS = SENTENCE_END + tuple(f"{m}{q}" for m in SENTENCE_END for q in _CLOSERS)
+MARKS = _MARKS + tuple(f"{m}{q}" for m in _MARKS for q in CLOSERS)
+SENTENCE_MARKS = SENTENCE_END + tuple(f"{m}{q}" for m in SENTENCE_END for q in CLOSERS)
 
 
 class Transcript:
